@@ -1,0 +1,230 @@
+"""The Python API: `LLM(model).generate(prompts, ...)`.
+
+Knows: turning user prompts (text, chat messages, token ids, or dicts with
+per-request settings) into validated requests; choosing device, dtype and
+policy; creating the engine (reused while its policy and sizes fit) and loading
+weights into it; running blocks and collecting completions and measurements.
+The CLI is a thin layer over this.
+Does not know: files and resumption (flexoff.jobs), the schedule (offload/).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from tqdm import tqdm
+
+from flexoff.checkpoint import LoadedModel, load_model
+from flexoff.errors import FlexoffError, InputError
+from flexoff.generation import Completion, Request, RunStats, plan_blocks, run_block
+from flexoff.offload.engine import Engine
+from flexoff.offload.tiers import Budgets
+from flexoff.policy.policy import Policy
+from flexoff.sampling import SamplingParams
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+PARAM_FIELDS = {f.name for f in fields(SamplingParams)}
+DEFAULT_BATCH = 16
+
+
+def pick_device(device: str | torch.device = "auto") -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise FlexoffError(f"unknown device {device!r}; use auto, cpu or cuda") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise FlexoffError("--device cuda was asked for but no CUDA device is available; use --device cpu")
+    if dev.type not in ("cpu", "cuda"):
+        raise FlexoffError(f"device type {dev.type!r} is not supported; use cpu or cuda")
+    return dev
+
+
+def pick_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.float16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise FlexoffError(f"unknown dtype {dtype!r}; use auto, float32, float16 or bfloat16")
+    return DTYPES[dtype]
+
+
+@dataclass
+class GenerationOutput:
+    completions: list[Completion]
+    stats: RunStats
+    policy: Policy | None = None
+
+
+@dataclass
+class EngineOptions:
+    offload_dir: str | None = None
+    budgets: Budgets = field(default_factory=Budgets)
+
+
+class LLM:
+    """A model ready to generate: `LLM("smollm2").generate(["Hello"])`."""
+
+    def __init__(self, model: str | None = None, *, policy: Policy | str | None = None,
+                 device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
+                 allow_pickle: bool = False, offload_dir: str | None = None,
+                 gpu_mem: int | None = None, cpu_mem: int | None = None, disk_mem: int | None = None,
+                 seed: int = 0, progress: bool = False, hardware: str | None = None,
+                 weight_format: Any = None, kv_codec: Any = None):
+        self.device = pick_device(device)
+        self.dtype = pick_dtype(dtype, self.device)
+        self.model: LoadedModel = load_model(model, allow_pickle)
+        self.policy_arg = policy
+        self.options = EngineOptions(offload_dir, Budgets(gpu_mem, cpu_mem, disk_mem))
+        if gpu_mem is not None and self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_mem / total), self.device)
+        self.seed = seed
+        self.progress = progress
+        self.hardware = hardware
+        self.last_policy: Policy | None = None
+        self.weight_format, self.kv_codec = weight_format, kv_codec
+        self.engine: Engine | None = None
+
+    @property
+    def tokenizer(self):
+        return self.model.tokenizer
+
+    # ---- requests ------------------------------------------------------
+    def make_requests(self, prompts: Iterable[Any], defaults: SamplingParams) -> list[Request]:
+        """Validate and tokenize prompts: str, list of chat messages, list of ids, or a dict
+        with one of `prompt` / `messages` / `prompt_ids`, an optional `id` and settings."""
+        out, seen = [], set()
+        for n, p in enumerate(prompts):
+            d = p if isinstance(p, dict) else {"prompt": p}
+            rid = str(d.get("id", n))
+            where = f"line {d['_line']}" if "_line" in d else f"request {rid}"
+            if rid in seen:
+                raise InputError(f"{where}: duplicate id {rid!r}")
+            seen.add(rid)
+            settings = {k: v for k, v in d.items() if k in PARAM_FIELDS}
+            if "stop" in settings:
+                s = settings["stop"]
+                settings["stop"] = (s,) if isinstance(s, str) else tuple(s or ())
+            try:
+                params = SamplingParams(**{**{f: getattr(defaults, f) for f in PARAM_FIELDS}, **settings})
+            except InputError as e:
+                raise InputError(f"{where}: {e}") from None
+            shown, ids = self._tokenize(d, where)
+            self._check_length(where, len(ids), params.max_new_tokens)
+            out.append(Request(rid, shown, ids, params))
+        return out
+
+    def _tokenize(self, d: dict[str, Any], where: str) -> tuple[Any, list[int]]:
+        if "prompt_ids" in d:
+            ids = d["prompt_ids"]
+            vocab = self.model.spec.vocab_size
+            if not isinstance(ids, list) or not all(isinstance(i, int) and 0 <= i < vocab for i in ids):
+                raise InputError(f"{where}: prompt_ids must be a list of token ids below {vocab}")
+            shown: Any = ids
+        elif "messages" in d or isinstance(d.get("prompt"), list) and d["prompt"] and isinstance(d["prompt"][0], dict):
+            msgs = d.get("messages", d.get("prompt"))
+            if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
+                raise InputError(f"{where}: messages must be a list of {{role, content}} objects")
+            shown, ids = msgs, self.tokenizer.chat(msgs)
+        elif isinstance(d.get("prompt"), list):
+            return self._tokenize({"prompt_ids": d["prompt"]}, where)
+        else:
+            text = d.get("prompt")
+            if not isinstance(text, str):
+                raise InputError(f"{where}: needs a 'prompt' string, 'messages' or 'prompt_ids'")
+            shown, ids = text, self.tokenizer.encode(text)
+        if not ids or (isinstance(shown, str) and not shown.strip()):
+            raise InputError(f"{where}: the prompt is empty")
+        return shown, ids
+
+    def _check_length(self, where: str, n: int, gen: int) -> None:
+        ctx = self.model.spec.max_positions
+        if n + gen > ctx:
+            what = "is longer than" if n > ctx else f"plus max_new_tokens {gen} exceeds"
+            raise InputError(f"{where}: the prompt of {n} tokens {what} the model's context of {ctx} tokens")
+        check = getattr(self.model.family, "check_length", None)
+        if check:
+            check(n + gen)
+
+    # ---- engine --------------------------------------------------------
+    def choose_policy(self, requests: Sequence[Request]) -> Policy:
+        p = self.policy_arg
+        if isinstance(p, Policy):
+            return p
+        if p is None:
+            return Policy(gpu_batch_size=max(1, min(DEFAULT_BATCH, len(requests))))
+        if p == "auto":
+            from flexoff.autopolicy import auto_policy
+
+            prompt = max(len(r.prompt_ids) for r in requests)
+            gen = max(1, max(r.params.max_new_tokens for r in requests))
+            return auto_policy(self, prompt, gen, len(requests))
+        return Policy.load(p)
+
+    def engine_for(self, policy: Policy, max_prompt: int, max_gen: int) -> Engine:
+        e = self.engine
+        if e is not None and e.policy == policy and e.max_prompt >= max_prompt and e.max_gen >= max_gen:
+            return e
+        self.close()
+        m = self.model
+        self.engine = Engine(m.family, m.spec, policy, device=self.device, dtype=self.dtype,
+                             max_prompt=max_prompt, max_gen=max_gen, offload_dir=self.options.offload_dir,
+                             budgets=self.options.budgets, weight_format=self.weight_format, kv_codec=self.kv_codec)
+        src_dev = self.device if m.name.startswith("dummy:") else torch.device("cpu")
+        layers = tqdm(enumerate(m.spec.layers), total=len(m.spec.layers), desc="loading weights",
+                      unit="layer", disable=not self.progress, leave=False)
+        try:
+            self.engine.load_weights((j, m.source.layer(j, l, self.dtype, src_dev)) for j, l in layers)
+        except BaseException:
+            self.close()
+            raise
+        return self.engine
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+    # ---- generation ----------------------------------------------------
+    def generate(self, prompts: Iterable[Any], *, max_new_tokens: int = 32, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: Sequence[str] | None = None,
+                 prompt_logprobs: bool = False,
+                 on_block: Callable[[list[Completion], RunStats], None] | None = None,
+                 requests: list[Request] | None = None) -> GenerationOutput:
+        """Complete every prompt; completions come back in input order."""
+        defaults = SamplingParams(max_new_tokens, temperature, top_p, top_k, seed, tuple(stop or ()))
+        reqs = requests if requests is not None else self.make_requests(prompts, defaults)
+        stats = RunStats()
+        if not reqs:
+            return GenerationOutput([], stats)
+        policy = self.last_policy = self.choose_policy(reqs)
+        engine = self.engine_for(policy, max(len(r.prompt_ids) for r in reqs),
+                                 max(1, max(r.params.max_new_tokens for r in reqs)))
+        done: dict[str, Completion] = {}
+        bar = tqdm(total=len(reqs), desc="generating", unit="prompt", disable=not self.progress)
+        try:
+            for block in plan_blocks(reqs, policy.block_size):
+                comps, st = run_block(engine, self.tokenizer, block, self.seed, prompt_logprobs)
+                st.peak_bytes = engine.peaks()
+                stats.add(st)
+                for c in comps:
+                    done[c.id] = c
+                if on_block is not None:
+                    on_block(comps, st)
+                bar.update(len(block))
+                bar.set_postfix_str(f"{stats.generation_throughput:.1f} tok/s")
+        finally:
+            bar.close()
+        return GenerationOutput([done[r.id] for r in reqs], stats, policy)
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,168 @@
+"""The `flexoff` command line: a thin layer of click options over the library.
+
+Knows: flags, their parsing into library objects (Policy, SamplingParams,
+byte sizes), printing errors as one line with exit code 2, the summary line.
+Does not know: how anything is computed.
+"""
+
+from __future__ import annotations
+
+import re
+import signal
+import sys
+from typing import Any
+
+import click
+
+from flexoff.errors import FlexoffError, PolicyError
+
+SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+              "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str | None) -> int | None:
+    """'16GiB', '500MB', '2e9' -> bytes."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in SIZE_UNITS:
+        raise click.BadParameter(f"{text!r} is not a size; use e.g. 16GiB, 500MB or a number of bytes")
+    return int(float(m.group(1)) * SIZE_UNITS[m.group(2).lower()])
+
+
+def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
+    return parse_size(value)
+
+
+def policy_options(f: Any) -> Any:
+    """The FlexGen-style policy flags, shared by the commands that run a model."""
+    opts = [
+        click.option("--policy", "policy_arg", default=None, metavar="auto|FILE.json",
+                     help="A policy file, or 'auto' to search one (default: everything on the compute device)."),
+        click.option("--percent", nargs=6, type=float, default=None, metavar="W_G W_C C_G C_C A_G A_C",
+                     help="FlexGen placement: % of weights, KV cache and activations on GPU and CPU (rest on disk)."),
+        click.option("--gpu-batch-size", type=int, default=None),
+        click.option("--num-gpu-batches", type=int, default=None),
+        click.option("--cpu-cache-compute", is_flag=True, default=None, help="Decode attention on the CPU where the KV cache lives there."),
+        click.option("--no-overlap", is_flag=True, default=None, help="Do not overlap transfers with compute."),
+        click.option("--compress-weight", is_flag=True, default=None, help="4-bit group-wise weights."),
+        click.option("--compress-cache", is_flag=True, default=None, help="4-bit group-wise KV cache."),
+        click.option("--gpu-mem", callback=_size, default=None, help="GPU memory budget, e.g. 16GiB."),
+        click.option("--cpu-mem", callback=_size, default=None, help="CPU memory budget."),
+        click.option("--disk-mem", callback=_size, default=None, help="Disk budget in --offload-dir."),
+        click.option("--offload-dir", type=click.Path(file_okay=False), default=None,
+                     help="Folder for disk offloading (default: a private temporary folder)."),
+        click.option("--hardware", default=None, help="Hardware profile for --policy auto: a JSON file or a preset name."),
+    ]
+    for o in reversed(opts):
+        f = o(f)
+    return f
+
+
+def build_policy(policy_arg: str | None, percent: tuple[float, ...] | None, gpu_batch_size: int | None,
+                 num_gpu_batches: int | None, cpu_cache_compute: bool | None, no_overlap: bool | None,
+                 compress_weight: bool | None, compress_cache: bool | None) -> Any:
+    """A Policy (or 'auto', or None for the default) from the flags."""
+    from flexoff.policy.policy import Policy
+
+    changes: dict[str, Any] = {}
+    if gpu_batch_size is not None:
+        changes["gpu_batch_size"] = gpu_batch_size
+    if num_gpu_batches is not None:
+        changes["num_gpu_batches"] = num_gpu_batches
+    for name, flag in (("cpu_cache_compute", cpu_cache_compute), ("compress_weight", compress_weight),
+                       ("compress_cache", compress_cache)):
+        if flag:
+            changes[name] = True
+    if no_overlap:
+        changes["overlap"] = False
+    if policy_arg == "auto":
+        if changes or percent:
+            raise PolicyError("--policy auto chooses the placement and batch shape itself; drop the explicit policy flags")
+        return "auto"
+    if policy_arg is None and not changes and percent is None:
+        return None
+    base = Policy.load(policy_arg) if policy_arg else Policy()
+    if percent is not None:
+        base = base.with_percent(tuple(percent))
+    return base.replace(**changes)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(package_name="flexoff")
+def cli() -> None:
+    """flexoff: high-throughput offline inference for models larger than GPU memory."""
+
+
+@cli.command()
+@click.option("--model", default=None, help="smollm2 (default), a checkpoint folder, a .gguf file, or dummy:NAME.")
+@click.option("--input", "input_path", default="-", show_default=True, help="Prompts JSONL ('-' for stdin).")
+@click.option("--output", "output_path", default="-", show_default=True,
+              help="Completions JSONL, appended block by block; a rerun skips ids already there ('-' for stdout).")
+@click.option("--max-new-tokens", type=click.IntRange(min=0), default=32, show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.0, show_default=True, help="0 is greedy.")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 keeps all tokens.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--chat", is_flag=True, help="Wrap plain prompts as a user message in the model's chat template.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True)
+@click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N].")
+@click.option("--allow-pickle", is_flag=True, help="Allow pickled .bin weights (loaded with weights_only=True).")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@policy_options
+def run(model: str | None, input_path: str, output_path: str, max_new_tokens: int, temperature: float,
+        top_p: float, top_k: int, seed: int, stop: tuple[str, ...], chat: bool, dtype: str, device: str,
+        allow_pickle: bool, quiet: bool, policy_arg: str | None, percent: Any, gpu_batch_size: Any,
+        num_gpu_batches: Any, cpu_cache_compute: Any, no_overlap: Any, compress_weight: Any,
+        compress_cache: Any, gpu_mem: Any, cpu_mem: Any, disk_mem: Any, offload_dir: Any, hardware: Any) -> None:
+    """Generate completions for a JSONL file of prompts."""
+    from flexoff.api import LLM
+    from flexoff.jobs import read_prompts, run_job
+    from flexoff.sampling import SamplingParams
+
+    policy = build_policy(policy_arg, percent, gpu_batch_size, num_gpu_batches, cpu_cache_compute,
+                          no_overlap, compress_weight, compress_cache)
+    defaults = SamplingParams(max_new_tokens, temperature, top_p, top_k, None, tuple(stop))
+    if input_path != "-":
+        read_prompts(input_path, chat)  # fail fast on a bad file, before loading the model
+    llm = LLM(model, policy=policy, device=device, dtype=dtype, allow_pickle=allow_pickle,
+              offload_dir=offload_dir, gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk_mem=disk_mem, seed=seed,
+              progress=not quiet, hardware=hardware)
+    try:
+        res = run_job(llm, input_path, output_path, defaults, chat)
+    finally:
+        llm.close()
+    st = res.stats
+    if res.skipped:
+        click.echo(f"resumed: {res.skipped} of {res.total} prompts were already answered", err=True)
+    if llm.last_policy is not None:
+        click.echo(f"policy: {llm.last_policy.describe()}", err=True)
+    peaks = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in st.peak_bytes.items())
+    click.echo(st.summary() + (f"; peak memory {peaks}" if peaks else ""), err=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: user errors are one line on stderr and exit code 2."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run cleanups (offload folder) on kill
+    try:
+        cli.main(args=argv, prog_name="flexoff", standalone_mode=False)
+        return 0
+    except click.exceptions.Exit as e:
+        return e.exit_code
+    except click.UsageError as e:
+        click.echo(f"flexoff: error: {e.format_message()}", err=True)
+        return 2
+    except click.Abort:
+        click.echo("flexoff: interrupted", err=True)
+        return 130
+    except FlexoffError as e:
+        click.echo(f"flexoff: error: {e}", err=True)
+        return 2
+    except KeyboardInterrupt:
+        click.echo("flexoff: interrupted", err=True)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

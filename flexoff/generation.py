@@ -1,0 +1,180 @@
+"""The generation driver: requests in, completions out, block by block.
+
+Knows: requests and completions, grouping prompts of similar length into
+blocks of gpu_batch_size x num_gpu_batches, left padding with masks (outputs
+do not depend on batch mates), stop conditions (EOS, stop strings,
+max_new_tokens) checked as tokens arrive, and the run's totals (tokens,
+prefill and decode time, padded vs actual tokens).
+Does not know: placement or the schedule (the engine's), model math.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from flexoff.offload.engine import BatchInput, Engine
+from flexoff.sampling import BlockSampler, SamplingParams, row_seed
+from flexoff.tokenizer import Tokenizer
+
+
+@dataclass
+class Request:
+    id: str
+    prompt: Any  # what the user sent (text, messages or ids), echoed in the output
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass
+class Completion:
+    id: str
+    prompt: Any
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    prompt_tokens: int
+    prompt_logprobs: list[float] | None = None  # log p(token | previous), for prompt tokens 1..n-1
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def to_json(self) -> dict[str, Any]:
+        d = {"id": self.id, "prompt": self.prompt, "completion": self.text,
+             "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+             "finish_reason": self.finish_reason}
+        if self.prompt_logprobs is not None:
+            d["prompt_logprobs"] = self.prompt_logprobs
+        return d
+
+
+@dataclass
+class RunStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    padded_prompt_tokens: int = 0  # prompt tokens including padding
+    padded_generated_tokens: int = 0  # token steps run times rows, finished rows included
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    blocks: int = 0
+    peak_bytes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def generation_throughput(self) -> float:
+        """Generated tokens / (prefill + decode time), as FlexGen reports it."""
+        t = self.prefill_s + self.decode_s
+        return self.generated_tokens / t if t > 0 else 0.0
+
+    @property
+    def decode_throughput(self) -> float:
+        return self.padded_generated_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    def add(self, other: "RunStats") -> None:
+        for f in ("prompt_tokens", "generated_tokens", "padded_prompt_tokens", "padded_generated_tokens",
+                  "prefill_s", "decode_s", "blocks"):
+            setattr(self, f, getattr(self, f) + getattr(other, f))
+        for k, v in other.peak_bytes.items():
+            self.peak_bytes[k] = max(self.peak_bytes.get(k, 0), v)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["generation_throughput"] = self.generation_throughput
+        d["decode_throughput"] = self.decode_throughput
+        return d
+
+    def summary(self) -> str:
+        return (f"prompt tokens {self.prompt_tokens}, generated tokens {self.generated_tokens}, "
+                f"prefill {self.prefill_s:.2f} s, decode {self.decode_s:.2f} s, "
+                f"generation throughput {self.generation_throughput:.2f} tok/s")
+
+
+def plan_blocks(requests: Sequence[Request], block_size: int) -> list[list[Request]]:
+    """Blocks of similar prompt length (less padding), longest last."""
+    order = sorted(requests, key=lambda r: (len(r.prompt_ids), r.params.max_new_tokens))
+    return [order[i:i + block_size] for i in range(0, len(order), block_size)]
+
+
+def pad_left(rows: Sequence[list[int]], length: int) -> BatchInput:
+    ids = torch.zeros(len(rows), length, dtype=torch.long)
+    valid = torch.zeros(len(rows), length, dtype=torch.bool)
+    for r, p in enumerate(rows):
+        ids[r, length - len(p):] = torch.tensor(p, dtype=torch.long)
+        valid[r, length - len(p):] = True
+    return BatchInput(ids, valid)
+
+
+class _Row:
+    """Stop-condition bookkeeping for one request."""
+
+    def __init__(self, req: Request, tokenizer: Tokenizer):
+        self.req, self.tok = req, tokenizer
+        self.ids: list[int] = []
+        self.text: str | None = None
+        self.reason = "length" if req.params.max_new_tokens == 0 else ""
+
+    @property
+    def done(self) -> bool:
+        return bool(self.reason)
+
+    def push(self, token: int) -> None:
+        if token in self.tok.eos_ids:
+            self.reason = "stop"
+            return
+        self.ids.append(token)
+        p = self.req.params
+        if p.stop:
+            text = self.tok.decode(self.ids)
+            cut = min((text.find(s) for s in p.stop if s in text), default=-1)
+            if cut >= 0:
+                self.text, self.reason = text[:cut], "stop"
+                return
+        if len(self.ids) >= p.max_new_tokens:
+            self.reason = "length"
+
+    def completion(self, logprobs: list[float] | None) -> Completion:
+        text = self.text if self.text is not None else self.tok.decode(self.ids)
+        return Completion(self.req.id, self.req.prompt, text, self.ids, self.reason or "length",
+                          len(self.req.prompt_ids), logprobs)
+
+
+def run_block(engine: Engine, tokenizer: Tokenizer, block: list[Request], job_seed: int,
+              prompt_logprobs: bool = False,
+              on_logits: Callable[[int, int, torch.Tensor], None] | None = None) -> tuple[list[Completion], RunStats]:
+    """Generate the completions of one block of requests."""
+    gbs = engine.policy.gpu_batch_size
+    batches = [block[i:i + gbs] for i in range(0, len(block), gbs)]
+    S = max(len(r.prompt_ids) for r in block)
+    gen_len = max(1, max(r.params.max_new_tokens for r in block))
+    rows = [[_Row(r, tokenizer) for r in b] for b in batches]
+    sampler = BlockSampler([[r.params for r in b] for b in batches],
+                           [[row_seed(job_seed, r.id, r.params) for r in b] for b in batches], engine.device)
+    if on_logits is not None:
+        inner = sampler
+
+        def sampler(logits: torch.Tensor, k: int, i: int) -> torch.Tensor:  # noqa: F811
+            on_logits(k, i, logits)
+            return inner(logits, k, i)
+
+    def on_tokens(step: int, tokens: list[torch.Tensor]) -> bool:
+        for brows, toks in zip(rows, tokens):
+            for row, t in zip(brows, toks.tolist()):
+                if not row.done:
+                    row.push(t)
+        return all(r.done for b in rows for r in b)
+
+    res = engine.run_block([pad_left([r.prompt_ids for r in b], S) for b in batches], gen_len, sampler,
+                           on_tokens, prompt_logprobs)
+    out = []
+    for k, brows in enumerate(rows):
+        lp = res.prompt_logprobs[k] if prompt_logprobs else None
+        for r, row in enumerate(brows):
+            n = len(row.req.prompt_ids)
+            out.append(row.completion(lp[r, S - n:].tolist() if lp is not None else None))
+    stats = RunStats(prompt_tokens=sum(len(r.prompt_ids) for r in block),
+                     generated_tokens=sum(c.completion_tokens for c in out),
+                     padded_prompt_tokens=S * len(block), padded_generated_tokens=res.steps * len(block),
+                     prefill_s=res.prefill_s, decode_s=res.decode_s, blocks=1)
+    return out, stats

@@ -1,0 +1,134 @@
+"""Batch jobs on files: prompts JSONL in, completions JSONL out, resumable.
+
+Knows: the prompts file format (one JSON object per line with `prompt`,
+`messages` or `prompt_ids`, an optional `id` (default: the line number) and
+optional per-line settings), the output file format, and resumption: results
+are appended and flushed to disk block by block, a rerun skips ids already
+answered, and a line cut short by a crash is dropped and redone.
+Does not know: models or generation internals (it calls LLM.generate).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+from flexoff.errors import InputError
+
+PROMPT_KEYS = ("prompt", "messages", "prompt_ids")
+
+
+def read_prompts(path: str, chat: bool = False) -> list[dict[str, Any]]:
+    """Parse and check the prompts file ('-' is stdin) before anything else runs."""
+    name = "stdin" if path == "-" else path
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError(f"prompts file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"cannot read prompts file {path}: {e}") from None
+    out = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            d = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{name} line {n}: not valid JSON ({e.msg})") from None
+        if not isinstance(d, dict) or not any(k in d for k in PROMPT_KEYS):
+            raise InputError(f"{name} line {n}: expected an object with 'prompt', 'messages' or 'prompt_ids'")
+        if isinstance(d.get("prompt"), str) and not d["prompt"].strip():
+            raise InputError(f"{name} line {n}: the prompt is empty")
+        d.setdefault("id", n)
+        if not isinstance(d["id"], (str, int)) or isinstance(d["id"], bool):
+            raise InputError(f"{name} line {n}: 'id' must be a string or an integer")
+        d["id"] = str(d["id"])
+        if chat and isinstance(d.get("prompt"), str):
+            d["messages"] = [{"role": "user", "content": d.pop("prompt")}]
+        d["_line"] = n
+        out.append(d)
+    if not out:
+        raise InputError(f"{name} holds no prompts")
+    return out
+
+
+def answered_ids(path: str) -> set[str]:
+    """Ids already in the output file. A last line cut short by a crash is removed;
+    any other malformed line is an error (we do not append to a file we cannot read)."""
+    p = Path(path)
+    if path == "-" or not p.exists():
+        return set()
+    data = p.read_bytes()
+    lines = data.split(b"\n")
+    tail = lines.pop()  # bytes after the last newline: empty, or a cut-short line
+    if tail:
+        try:
+            json.loads(tail)
+            lines.append(tail)  # a complete last line missing only its newline
+            with open(p, "ab") as f:
+                f.write(b"\n")
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            with open(p, "r+b") as f:
+                f.truncate(len(data) - len(tail))
+    ids = set()
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            ids.add(str(json.loads(line)["id"]))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+            raise InputError(f"output file {path} line {n} is not a flexoff result; "
+                             "refusing to append to it (use another --output)") from None
+    return ids
+
+
+class ResultWriter:
+    """Appends completions as JSON lines, one flushed and fsynced write per block."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._f: IO[str] | None = None
+
+    def write(self, records: list[dict[str, Any]]) -> None:
+        if not records:
+            return
+        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        if self.path == "-":
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            return
+        if self._f is None:
+            self._f = open(self.path, "a", encoding="utf-8")
+        self._f.write(text)
+        self._f.flush()
+        os.fsync(self._f.fileno())
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+@dataclass
+class JobResult:
+    total: int
+    skipped: int
+    stats: Any
+
+
+def run_job(llm: Any, input_path: str, output_path: str, defaults: Any, chat: bool = False) -> JobResult:
+    """Run every prompt of input_path not yet answered in output_path."""
+    rows = read_prompts(input_path, chat)
+    requests = llm.make_requests(rows, defaults)
+    done = answered_ids(output_path)
+    todo = [r for r in requests if r.id not in done]
+    writer = ResultWriter(output_path)
+    try:
+        out = llm.generate([], requests=todo, on_block=lambda comps, _: writer.write([c.to_json() for c in comps]))
+    finally:
+        writer.close()
+    return JobResult(len(requests), len(requests) - len(todo), out.stats)

@@ -1,0 +1,83 @@
+"""What every model family shares: the description of its layers, and `linear`.
+
+Knows: how a family describes its weights (per engine layer, each tensor's name,
+shape and names in a Hugging Face checkpoint), and the layer kinds the engine
+schedules: `embed`, `attn`, `mlp`, `head` (FlexGen splits each transformer block
+into an attention layer and an MLP layer; we do the same).
+Does not know: where tensors live, dtypes of storage, compression, adapters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping, Protocol
+
+import torch
+import torch.nn.functional as F
+
+LayerKind = Literal["embed", "attn", "mlp", "head"]
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One weight tensor of a layer."""
+
+    name: str  # our name inside the layer, e.g. "q_proj.weight"
+    shape: tuple[int, ...]
+    hf_names: tuple[str, ...]  # names in a HF checkpoint, first match wins (tied weights)
+    matmul: bool = False  # a (out, in) matrix used by `linear`: counts FLOPs, compressible
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """One layer of the engine's schedule."""
+
+    kind: LayerKind
+    block: int  # transformer block index; -1 for embed and head
+    tensors: tuple[TensorSpec, ...]
+
+
+Weights = Mapping[str, Any]  # name -> tensor, or a weight object that implements .linear()
+
+
+def linear(x: torch.Tensor, w: Any, b: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T + b, where w is a tensor or a weight object with its own .linear().
+
+    Model code calls this for every matmul weight, so transforms of the weights
+    (compression, adapters) plug in here without the model file knowing them.
+    """
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, b)
+    return w.linear(x, b)
+
+
+def materialize(w: Any) -> torch.Tensor:
+    """A weight as a plain tensor (dequantizes a compressed weight)."""
+    return w if isinstance(w, torch.Tensor) else w.dense()
+
+
+class Family(Protocol):
+    """A model family: its config and the math of each layer kind.
+
+    Shapes: h is (b, s, hidden); q is (b, heads, s, head_dim); k and v are
+    (b, kv_heads, s, head_dim); pos is (b, s) int64 positions of real tokens.
+    """
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_positions: int
+
+    def layers(self) -> list[LayerSpec]: ...
+    def embed(self, w: Weights, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor: ...
+    def attn_in(
+        self, w: Weights, h: torch.Tensor, pos: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+    def attn_out(self, w: Weights, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor: ...
+    def mlp(self, w: Weights, h: torch.Tensor) -> torch.Tensor: ...
+    def head(self, w: Weights, h: torch.Tensor) -> torch.Tensor: ...

@@ -1,0 +1,117 @@
+"""ModelSpec: one source of truth for a model's sizes and costs.
+
+Knows: for a family and config, the bytes of each layer's weights, KV-cache
+bytes per token, activation bytes per token, and FLOPs per token in prefill and
+decode. The cost model (policy/) and the engine (offload/) both read it, so
+what the LP plans is what the engine allocates.
+Does not know: placement, hardware, compression formats (callers pass bytes
+per element, or a compressed layout, when they need other sizes).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Mapping
+
+from flexoff.errors import ModelError
+from flexoff.models.base import Family, LayerSpec
+from flexoff.models.llama import Llama, LlamaConfig
+from flexoff.models.opt import OPT, OPTConfig
+
+FAMILIES = {
+    "opt": lambda d: OPT(OPTConfig.from_hf(d)),
+    "llama": lambda d: Llama(LlamaConfig.from_hf(d)),
+    "mistral": lambda d: Llama(LlamaConfig.from_hf(d)),
+    "qwen2": lambda d: Llama(LlamaConfig.from_hf(d)),
+}
+
+
+def build_family(config: Mapping[str, Any]) -> Family:
+    """The family object for a Hugging Face config dict."""
+    model_type = config.get("model_type")
+    if model_type not in FAMILIES:
+        raise ModelError(
+            f"model type {model_type!r} is not supported; supported: {', '.join(sorted(FAMILIES))}")
+    try:
+        return FAMILIES[model_type](config)
+    except KeyError as e:
+        raise ModelError(f"config.json for {model_type} is missing the field {e.args[0]!r}") from None
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    family: str  # "opt" or "llama"
+    num_layers: int  # transformer blocks (the engine schedules 2 * num_layers + 2 layers)
+    hidden_size: int  # h1
+    intermediate_size: int  # h2
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_positions: int
+    layers: tuple[LayerSpec, ...]
+
+    @classmethod
+    def from_family(cls, name: str, fam: Family) -> "ModelSpec":
+        return cls(name, fam.name, fam.num_layers, fam.hidden_size, fam.intermediate_size,
+                   fam.num_heads, fam.num_kv_heads, fam.head_dim, fam.vocab_size,
+                   fam.max_positions, tuple(fam.layers()))
+
+    @classmethod
+    def from_config(cls, name: str, config: Mapping[str, Any]) -> "ModelSpec":
+        return cls.from_family(name, build_family(config))
+
+    # ---- weights -------------------------------------------------------
+    def layer_elements(self, j: int) -> int:
+        return sum(math.prod(t.shape) for t in self.layers[j].tensors)
+
+    def layer_bytes(self, j: int, elem_bytes: float = 2) -> int:
+        return int(self.layer_elements(j) * elem_bytes)
+
+    def weight_bytes(self, elem_bytes: float = 2) -> int:
+        return sum(self.layer_bytes(j, elem_bytes) for j in range(len(self.layers)))
+
+    @cached_property
+    def num_params(self) -> int:
+        return sum(self.layer_elements(j) for j in range(len(self.layers)))
+
+    @cached_property
+    def attn_layers(self) -> tuple[int, ...]:
+        """Indices (in `layers`) of the attention layers, which own a KV cache."""
+        return tuple(j for j, l in enumerate(self.layers) if l.kind == "attn")
+
+    # ---- cache and activations ----------------------------------------
+    def kv_bytes_per_token(self, elem_bytes: float = 2) -> int:
+        """KV-cache bytes of one token in one attention layer (keys and values)."""
+        return int(2 * self.num_kv_heads * self.head_dim * elem_bytes)
+
+    def act_bytes_per_token(self, elem_bytes: float = 2) -> int:
+        """Bytes of the hidden state of one token between two layers."""
+        return int(self.hidden_size * elem_bytes)
+
+    # ---- FLOPs ---------------------------------------------------------
+    def linear_flops(self, j: int) -> int:
+        """Matmul FLOPs of layer j for one token (2 per multiply-add)."""
+        return 2 * sum(math.prod(t.shape) for t in self.layers[j].tensors if t.matmul)
+
+    def attn_flops(self, context: int) -> int:
+        """Score and value FLOPs of one attention layer for one query over `context` keys."""
+        return 4 * self.num_heads * self.head_dim * context
+
+    def prefill_flops(self, prompt_len: int) -> int:
+        """FLOPs to prefill one sequence (causal: query t sees t + 1 keys; head on the last token)."""
+        total = 0
+        for j, layer in enumerate(self.layers):
+            n = 1 if layer.kind == "head" else prompt_len
+            total += n * self.linear_flops(j)
+            if layer.kind == "attn":
+                total += self.attn_flops(1) * prompt_len * (prompt_len + 1) // 2
+        return total
+
+    def decode_flops(self, context: int) -> int:
+        """FLOPs to generate one token of one sequence that attends over `context` keys."""
+        return sum(self.linear_flops(j) + (self.attn_flops(context) if l.kind == "attn" else 0)
+                   for j, l in enumerate(self.layers))

@@ -1,0 +1,345 @@
+"""The offload engine: runs blocks of sequences through a model under a Policy.
+
+Knows: FlexGen's zig-zag block schedule in one loop with an overlap switch:
+for each token step, layer and GPU batch it prefetches the next layer's
+weights, loads the next batch's KV cache and activations, computes this batch
+and stores what it produced, each on its own lane, ordered by events; decode
+attention on the CPU next to a CPU-resident cache, overlapped with the next
+batch's GPU work; prefill and decode timing; peak memory per tier.
+Does not know: tokenization, sampling rules or stop conditions (the caller
+passes a sampler and an on_tokens callback), where prompts come from.
+"""
+
+from __future__ import annotations
+
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+import torch
+
+from flexoff.models.attention import attend, positions, prefill_mask
+from flexoff.models.base import Family
+from flexoff.models.spec import ModelSpec
+from flexoff.offload.activations import HiddenStore
+from flexoff.offload.kvcache import KVCodec, KVStore, PlainKV
+from flexoff.offload.lanes import Event, Lanes
+from flexoff.offload.layout import Layout, PlainFormat, WeightFormat
+from flexoff.offload.memory import MemoryPlan, check, plan_memory
+from flexoff.offload.mover import Mover
+from flexoff.offload.schedule import Step, zigzag
+from flexoff.offload.tiers import Budgets, Tiers
+from flexoff.offload.weights import WeightStore
+from flexoff.policy.policy import Policy
+
+Sampler = Callable[[torch.Tensor, int, int], torch.Tensor]  # (logits (n, V), batch, step) -> ids (n,)
+OnTokens = Callable[[int, list[torch.Tensor]], bool]  # (step, host ids per batch) -> stop?
+
+
+@dataclass
+class BatchInput:
+    ids: torch.Tensor  # (n, s) int64 prompt ids, left-padded
+    valid: torch.Tensor  # (n, s) bool, False on padding
+
+
+@dataclass
+class BlockResult:
+    prefill_s: float
+    decode_s: float
+    steps: int  # token steps run (the first is the prefill)
+    prompt_logprobs: list[torch.Tensor | None] = field(default_factory=list)  # per batch (n, s-1)
+
+
+class _Batch:
+    """Per-block state of one GPU batch."""
+
+    def __init__(self, inp: BatchInput, gen_len: int, device: torch.device, pin: bool):
+        self.n, self.S = inp.ids.shape
+        valid = torch.ones(self.n, self.S + gen_len, dtype=torch.bool)
+        valid[:, :self.S] = inp.valid
+        self.valid_host = valid
+        self.valid = valid.to(device)
+        self.ids = inp.ids.to(device)
+        self.pos0 = positions(self.valid[:, :self.S])  # (n, S)
+        self.plen = self.valid[:, :self.S].sum(1)  # real prompt tokens per row
+        self.mask0 = prefill_mask(self.valid[:, :self.S])  # (n, S, S)
+        self.tokens = torch.zeros(gen_len, self.n, dtype=torch.long, device=device)
+        self.tokens_host = torch.zeros(gen_len, self.n, dtype=torch.long, pin_memory=pin)
+        self.logprobs: torch.Tensor | None = None
+
+    def inputs(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids and positions fed to the embedding at step i."""
+        if i == 0:
+            return self.ids, self.pos0
+        return self.tokens[i - 1][:, None], (self.plen + (i - 1))[:, None]
+
+
+@dataclass
+class _Pending:
+    k: int
+    finish: Callable[[], None]
+
+
+class _HostIO:
+    """Pinned buffers through which CPU attention receives q, k, v and returns its output."""
+
+    def __init__(self, lanes: Lanes, tiers: Tiers, rows: int, spec: ModelSpec, dtype: torch.dtype):
+        self.lanes, self.cuda, self.device, self.dtype = lanes, lanes.cuda, tiers.device, dtype
+        if self.cuda:
+            qn, kvn = rows * spec.num_heads * spec.head_dim, rows * spec.num_kv_heads * spec.head_dim
+            self.bufs = [tiers.cpu.alloc(n * dtype.itemsize).view(dtype) for n in (qn, kvn, kvn, qn)]
+
+    def to_host(self, *ts: torch.Tensor) -> list[torch.Tensor]:
+        if not self.cuda:
+            return list(ts)
+        out = []
+        with torch.cuda.stream(self.lanes.store.stream):
+            for t, buf in zip(ts, self.bufs):
+                h = buf[:t.numel()].view(t.shape)
+                h.copy_(t, non_blocking=True)
+                out.append(h)
+            torch.cuda.current_stream().synchronize()
+        return out
+
+    def to_device(self, o: torch.Tensor) -> torch.Tensor:
+        if not self.cuda:
+            return o
+        h = self.bufs[3][:o.numel()].view(o.shape)
+        h.copy_(o)
+        with torch.cuda.stream(self.lanes.load.stream):
+            d = h.to(self.device, non_blocking=True)
+            torch.cuda.current_stream().synchronize()
+        return d
+
+
+class Engine:
+    def __init__(self, family: Family, spec: ModelSpec, policy: Policy, *, device: torch.device,
+                 dtype: torch.dtype, max_prompt: int, max_gen: int, offload_dir: str | None = None,
+                 budgets: Budgets | None = None, weight_format: WeightFormat | None = None,
+                 kv_codec: KVCodec | None = None):
+        self.fam, self.spec, self.policy, self.device, self.dtype = family, spec, policy, device, dtype
+        self.max_prompt, self.max_gen = max_prompt, max_gen
+        self.fmt = weight_format or PlainFormat(dtype)
+        codec = kv_codec or PlainKV(spec.num_kv_heads, spec.head_dim, dtype)
+        layouts = [Layout(self.fmt.fields(l)) for l in spec.layers]
+        self.plan: MemoryPlan = plan_memory(spec, layouts, codec.rec_bytes, policy, max_prompt, max_gen,
+                                            dtype, device.type == "cuda")
+        check(self.plan, budgets or Budgets(), device, offload_dir)  # before anything is allocated
+        self.lanes = Lanes(device)
+        self.tiers = Tiers(device, offload_dir)
+        self.mover = Mover(self.lanes, self.tiers.cpu)
+        try:
+            self.weights = WeightStore(list(spec.layers), self.fmt, policy, self.tiers, self.lanes, self.mover)
+            self.kv = KVStore(spec, codec, policy, self.tiers, self.lanes, self.mover, max_prompt + max_gen)
+            self.hidden = HiddenStore(spec, dtype, policy, self.tiers, self.lanes, self.mover, max_prompt)
+            self.host_io = _HostIO(self.lanes, self.tiers, policy.gpu_batch_size, spec, dtype)
+        except BaseException:
+            self.close()
+            raise
+        self._sampler: Sampler | None = None
+
+    # ---- setup ---------------------------------------------------------
+    def load_weights(self, layers: Iterable[tuple[int, Mapping[str, torch.Tensor]]]) -> None:
+        """Store each (layer index, logical tensors) pair on its tiers."""
+        for j, tensors in layers:
+            self.weights.fill(j, tensors)
+
+    def close(self) -> None:
+        if hasattr(self, "lanes"):
+            self.lanes.close()
+        if hasattr(self, "tiers"):
+            self.tiers.close()
+
+    def peaks(self) -> dict[str, int]:
+        """Peak bytes per tier: GPU from the allocator, CPU and disk from the engine's
+        own accounting, and the process's peak resident memory."""
+        out = self.tiers.peaks()
+        if self.device.type == "cuda":
+            out["gpu"] = torch.cuda.max_memory_allocated(self.device)
+        out["rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        return out
+
+    # ---- the block schedule --------------------------------------------
+    def run_block(self, batches: list[BatchInput], gen_len: int, sampler: Sampler, on_tokens: OnTokens,
+                  prompt_logprobs: bool = False) -> BlockResult:
+        """Generate up to gen_len tokens for every sequence of a block of GPU batches."""
+        p, L, K = self.policy, len(self.spec.layers), len(batches)
+        S = batches[0].ids.shape[1]
+        assert 1 <= K <= p.num_gpu_batches and all(b.ids.shape[0] <= p.gpu_batch_size for b in batches)
+        assert all(b.ids.shape[1] == S for b in batches) and S <= self.max_prompt and 1 <= gen_len <= self.max_gen
+        self._sampler, self._want_lp = sampler, prompt_logprobs
+        pin = self.device.type == "cuda"
+        states = [_Batch(b, gen_len, self.device, pin) for b in batches]
+        tok_events: list[Event] = []
+        delivered, steps, stop = -1, 0, False
+        t0 = time.perf_counter()
+        prefill_s = 0.0
+        pending: _Pending | None = None
+        if p.overlap:
+            self.weights.prefetch(0)
+        for step, nxt in zigzag(gen_len, L, K):
+            i, j, k = step
+            if pending is not None and (pending.k == k or k == 0):
+                pending.finish()  # same batch's data, or a weight slot about to be reused
+                pending = None
+            if p.overlap:
+                self._prefetch(step, nxt, states, gen_len)
+            cont = self._compute(step, states[k])
+            if pending is not None:
+                pending.finish()
+                if p.overlap:
+                    self._prefetch_hidden(step, nxt)  # its input may have been pending
+            pending = cont
+            if not p.overlap:
+                if pending is not None:
+                    pending.finish()
+                    pending = None
+                self.lanes.sync()
+            if j == L - 1 and k == K - 1:  # token step i is complete
+                steps = i + 1
+                for st in states:
+                    st.tokens_host[i].copy_(st.tokens[i], non_blocking=True)
+                tok_events.append(self.lanes.compute.mark())
+                if i == 0:
+                    self.lanes.sync()
+                    prefill_s = time.perf_counter() - t0
+                if i - 1 > delivered or i == 0:
+                    d = i if i == 0 else i - 1
+                    tok_events[d].wait_host()
+                    stop = on_tokens(d, [st.tokens_host[d] for st in states])
+                    delivered = d
+                if stop:
+                    break
+        if pending is not None:
+            pending.finish()
+        self.lanes.sync()
+        end = time.perf_counter()
+        for d in range(delivered + 1, steps):
+            if not stop:
+                stop = on_tokens(d, [st.tokens_host[d] for st in states])
+        self.hidden.clear()
+        self.kv.reset()
+        lps = [st.logprobs.cpu() if st.logprobs is not None else None for st in states]
+        return BlockResult(prefill_s, end - t0 - prefill_s, steps, lps)
+
+    def _prefetch(self, step: Step, nxt: Step | None, states: list[_Batch], gen_len: int) -> None:
+        """Issue the loads for what comes next, overlapping this step's compute."""
+        i, j, k = step
+        L = len(self.spec.layers)
+        if k == 0:
+            target = j + 1 if j + 1 < L else (0 if i + 1 < gen_len else None)
+            if target is not None:
+                self.weights.prefetch(target)
+        if nxt is None:
+            return
+        ni, nj, nk = nxt
+        st = states[nk]
+        if self.spec.layers[nj].kind == "attn" and ni >= 1:
+            self.kv.load(self.kv.layer_index[nj], nk, st.n, st.S + ni - 1)
+        self._prefetch_hidden(step, nxt)
+
+    def _prefetch_hidden(self, step: Step, nxt: Step | None) -> None:
+        """Load the next batch's input if it is computed (not for the same batch: its input
+        is what this step produces)."""
+        if nxt is not None and nxt.j >= 1 and nxt.k != step.k and self.hidden.holds(nxt.k, nxt.j - 1):
+            self.hidden.prefetch(nxt.k, nxt.j)
+
+    def _compute(self, step: Step, st: _Batch) -> _Pending | None:
+        i, j, k = step
+        kind = self.spec.layers[j].kind
+        w, deps = self.weights.get(j)
+        if kind == "embed":
+            self.lanes.compute.wait(deps)
+            ids, pos = st.inputs(i)
+            self._finish_layer(j, k, self.fam.embed(w, ids, pos))
+            return None
+        h, hdeps = self.hidden.take(k, j)
+        self.lanes.compute.wait(deps + hdeps)
+        if kind == "mlp":
+            self._finish_layer(j, k, self.fam.mlp(w, h))
+            return None
+        if kind == "head":
+            if i == 0 and self._want_lp:
+                st.logprobs = self._prompt_logprobs(w, h, st)
+            logits = self.fam.head(w, h[:, -1:])[:, 0]  # (n, vocab)
+            st.tokens[i] = self._sampler(logits, k, i)
+            self.weights.was_read(j, self.lanes.compute.mark())
+            return None
+        return self._attention(step, st, w, h)
+
+    def _finish_layer(self, j: int, k: int, h: torch.Tensor) -> None:
+        ev = self.lanes.compute.mark()
+        self.weights.was_read(j, ev)
+        self.hidden.put(k, j, h, ev)
+
+    def _attention(self, step: Step, st: _Batch, w: Mapping[str, Any], h: torch.Tensor) -> _Pending | None:
+        i, j, k = step
+        fam, kv, li = self.fam, self.kv, self.kv.layer_index[j]
+        q, kk, vv = fam.attn_in(w, h, st.inputs(i)[1])
+        if i == 0:  # prefill: attention over the fresh keys, then store them
+            o = attend(q, kk, vv, st.mask0, fam.scale)
+            kv.store_prompt(li, k, st.n, kk, vv, self.lanes.compute.mark())
+            self._finish_layer(j, k, fam.attn_out(w, h, o))
+            return None
+        t = st.S + i - 1  # position of the new token
+        mask = st.valid[:, None, :t + 1]
+        outs: list[Any] = []
+        cpu_ev: Event | None = None
+        for tier, r0, r1 in kv.segments(st.n):
+            if tier == "cpu" and kv.cpu_compute:
+                cpu_ev = self._cpu_attention(li, k, st, q[r0:r1], kk[r0:r1], vv[r0:r1], r0, r1, t)
+                outs.append(None)
+                continue
+            buf, deps = kv.device_buffer(li, k, st.n, tier, t)
+            self.lanes.compute.wait(deps)
+            kv.codec.write(buf, r1 - r0, t, kk[r0:r1], vv[r0:r1])
+            K, V = kv.codec.read(buf, r1 - r0, t + 1)
+            outs.append(attend(q[r0:r1], K, V, mask[r0:r1], fam.scale))
+            if tier != "gpu":
+                kv.stored_new_token(li, k, tier, r1 - r0, t, self.lanes.compute.mark())
+        kv.release(li, k)
+
+        def finish() -> None:
+            if cpu_ev is not None:
+                o_cpu = cpu_ev.result()
+                if self.lanes.cuda:
+                    o_cpu.record_stream(self.lanes.compute.stream)
+                outs[outs.index(None)] = o_cpu
+            o = outs[0] if len(outs) == 1 else torch.cat(outs)
+            self._finish_layer(j, k, fam.attn_out(w, h, o))
+
+        if cpu_ev is None:
+            finish()
+            return None
+        return _Pending(k, finish)
+
+    def _cpu_attention(self, li: int, kb: int, st: _Batch, q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, r0: int, r1: int, t: int) -> Event:
+        """Decode attention for CPU-resident rows on the CPU lane; resolves to the output
+        (rows, heads, 1, d) on the compute device."""
+        seg, codec, io = self.kv.homes[li][kb]["cpu"], self.kv.codec, self.host_io
+        rows, scale = r1 - r0, self.fam.scale
+        mask = st.valid_host[r0:r1, None, :t + 1]
+
+        def task() -> torch.Tensor:
+            qh, kh, vh = io.to_host(q, k, v)
+            codec.write(seg.buf, rows, t, kh, vh)
+            K, V = codec.read(seg.buf, rows, t + 1)
+            return io.to_device(attend(qh, K, V, mask, scale))
+
+        ev = self.lanes.cpu.run(task, [self.lanes.compute.mark()] + seg.track.claim())
+        seg.track.wrote(ev)
+        seg.track.tag = t + 1
+        return ev
+
+    def _prompt_logprobs(self, w: Mapping[str, Any], h: torch.Tensor, st: _Batch) -> torch.Tensor:
+        """Log-probability of each prompt token given the ones before it: (n, S-1)."""
+        n, S, _ = h.shape
+        out = torch.zeros(n, max(S - 1, 0), dtype=torch.float32, device=h.device)
+        chunk = max(1, (1 << 24) // max(1, n * self.spec.vocab_size))
+        for c0 in range(0, S - 1, chunk):
+            c1 = min(S - 1, c0 + chunk)
+            logits = self.fam.head(w, h[:, c0:c1]).float()
+            out[:, c0:c1] = logits.log_softmax(-1).gather(-1, st.ids[:, c0 + 1:c1 + 1, None])[..., 0]
+        return out

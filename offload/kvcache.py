@@ -1,0 +1,173 @@
+"""The KV cache: per attention layer and GPU batch, rows split across tiers.
+
+Knows: the cache's byte layout (token-major: (tokens, rows, record), so a
+prefix of tokens is one contiguous range and a new token is one contiguous
+write, on every tier, disk included); the codec that turns keys and values
+into records and back (plain here; quant/ adds a compressed one); GPU staging
+slots that CPU or disk rows are loaded into for attention on the GPU; which
+events each buffer's readers and writers wait for.
+Does not know: model math (attention itself is flexoff.models.attention),
+the schedule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from flexoff.models.spec import ModelSpec
+from flexoff.offload.lanes import Event, Lanes, Tracked
+from flexoff.offload.mover import Mover, Span, span_of
+from flexoff.offload.placement import TIERS, row_segments, row_split
+from flexoff.offload.tiers import Tiers
+from flexoff.policy.policy import Policy
+
+
+class KVCodec(Protocol):
+    rec_bytes: int  # bytes of one token of one sequence (keys and values)
+
+    def write(self, buf: torch.Tensor, rows: int, t: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
+    def read(self, buf: torch.Tensor, rows: int, t: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def encode(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+
+
+class PlainKV:
+    """Keys and values stored as they are: a record is (2, kv_heads, head_dim) values."""
+
+    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype):
+        self.kvh, self.hd, self.dtype = kv_heads, head_dim, dtype
+        self.rec_bytes = 2 * kv_heads * head_dim * dtype.itemsize
+
+    def _view(self, buf: torch.Tensor, rows: int, tokens: int) -> torch.Tensor:
+        raw = buf[:tokens * rows * self.rec_bytes]
+        return raw.view(self.dtype).view(tokens, rows, 2, self.kvh, self.hd)
+
+    def write(self, buf: torch.Tensor, rows: int, t: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v (rows, kv_heads, s, head_dim) at token positions t .. t + s."""
+        x = self._view(buf, rows, t + k.shape[2])[t:]  # (s, rows, 2, kvh, d)
+        x[:, :, 0] = k.permute(2, 0, 1, 3)
+        x[:, :, 1] = v.permute(2, 0, 1, 3)
+
+    def read(self, buf: torch.Tensor, rows: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of tokens 0 .. t as strided (rows, kv_heads, t, head_dim) views."""
+        x = self._view(buf, rows, t)
+        return x[:, :, 0].permute(1, 2, 0, 3), x[:, :, 1].permute(1, 2, 0, 3)
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Records of k, v (rows, kv_heads, s, head_dim) as contiguous (s, rows, rec) bytes."""
+        x = torch.stack((k, v), dim=0).permute(3, 1, 0, 2, 4).contiguous()  # (s, rows, 2, kvh, d)
+        return x.view(torch.uint8).view(x.shape[0], x.shape[1], self.rec_bytes)
+
+
+@dataclass
+class _Seg:
+    buf: Any  # uint8 tensor or DiskFile, capacity rows * max_tokens * rec bytes
+    track: Tracked
+
+
+def kv_bytes(spec: ModelSpec, rec_bytes: int, policy: Policy, max_tokens: int) -> dict[str, int]:
+    """Bytes each tier holds for the KV cache, GPU staging slots included."""
+    split = row_split(policy.gpu_batch_size, policy.cache_gpu_percent, policy.cache_cpu_percent)
+    per_row = max_tokens * rec_bytes * len(spec.attn_layers) * policy.num_gpu_batches
+    staged = split["disk"] + (0 if policy.cpu_cache_compute else split["cpu"])
+    out = {t: split[t] * per_row for t in TIERS}
+    out["gpu"] += 2 * staged * max_tokens * rec_bytes
+    return out
+
+
+class KVStore:
+    def __init__(self, spec: ModelSpec, codec: KVCodec, policy: Policy, tiers: Tiers,
+                 lanes: Lanes, mover: Mover, max_tokens: int):
+        self.codec, self.lanes, self.mover = codec, lanes, mover
+        self.max_tokens = max_tokens
+        self.cpu_compute = policy.cpu_cache_compute
+        self.split = row_split(policy.gpu_batch_size, policy.cache_gpu_percent, policy.cache_cpu_percent)
+        self.layer_index = {j: li for li, j in enumerate(spec.attn_layers)}
+        rec = codec.rec_bytes
+        self.homes = [[{t: _Seg(tiers.get(t).alloc(n * max_tokens * rec), Tracked())
+                        for t, n in self.split.items() if n > 0}
+                       for _ in range(policy.num_gpu_batches)] for _ in spec.attn_layers]
+        staged = {t: self.split[t] for t in self.staged_tiers() if self.split[t] > 0}
+        self.slots = [{t: _Seg(tiers.gpu.alloc(n * max_tokens * rec), Tracked()) for t, n in staged.items()}
+                      for _ in range(2)] if staged else []
+        self._next_slot = 0
+        self._staged: dict[tuple[int, int], int] = {}  # (attention layer, batch) -> slot
+
+    def staged_tiers(self) -> tuple[str, ...]:
+        """Tiers whose rows are loaded into a GPU slot for attention."""
+        return ("disk",) if self.cpu_compute else ("cpu", "disk")
+
+    def segments(self, n: int) -> list[tuple[str, int, int]]:
+        return row_segments(n, self.split)
+
+    def _bytes(self, rows: int, t0: int, t1: int) -> tuple[int, int]:
+        rec = self.codec.rec_bytes
+        return t0 * rows * rec, (t1 - t0) * rows * rec
+
+    # ---- prefill -------------------------------------------------------
+    def store_prompt(self, li: int, kb: int, n: int, k: torch.Tensor, v: torch.Tensor, ev: Event) -> None:
+        """Store the prompt's keys and values (n, kv_heads, s, d) into every tier's rows.
+
+        `ev` marks the compute that produced k and v."""
+        for tier, r0, r1 in self.segments(n):
+            seg, rows = self.homes[li][kb][tier], r1 - r0
+            if tier == "gpu":
+                self.codec.write(seg.buf, rows, 0, k[r0:r1], v[r0:r1])
+                continue
+            enc = self.codec.encode(k[r0:r1], v[r0:r1])  # (s, rows, rec), transient
+            deps = [ev] + seg.track.claim()
+            cp = self.mover.copy(Span(seg.buf, 0, enc.numel()), span_of(enc), deps, lane="store")
+            seg.track.wrote(cp)
+            seg.track.tag = k.shape[2]  # tokens stored
+
+    # ---- decode --------------------------------------------------------
+    def load(self, li: int, kb: int, n: int, t: int) -> None:
+        """Start loading tokens [0, t) of the staged rows of (layer, batch) into a GPU slot."""
+        if (li, kb) in self._staged:
+            return
+        segs = [(tier, r0, r1) for tier, r0, r1 in self.segments(n) if tier in self.staged_tiers()]
+        if not segs:
+            return
+        idx = self._next_slot
+        self._next_slot = 1 - idx
+        for key in [key for key, i in self._staged.items() if i == idx]:
+            del self._staged[key]
+        self._staged[(li, kb)] = idx
+        for tier, r0, r1 in segs:
+            home, slot, rows = self.homes[li][kb][tier], self.slots[idx][tier], r1 - r0
+            assert home.track.tag >= t, f"KV rows of layer {li} hold {home.track.tag} tokens, need {t}"
+            off, nbytes = self._bytes(rows, 0, t)
+            deps = slot.track.claim() + home.track.read_deps()
+            ev = self.mover.copy(Span(slot.buf, 0, nbytes), Span(home.buf, off, nbytes), deps, lane="load")
+            slot.track.wrote(ev)
+            home.track.was_read(ev)
+
+    def device_buffer(self, li: int, kb: int, n: int, tier: str, t: int) -> tuple[torch.Tensor, list[Event]]:
+        """The GPU buffer attention reads for these rows (home or slot), and what to wait for."""
+        if tier == "gpu":
+            return self.homes[li][kb]["gpu"].buf, []
+        if (li, kb) not in self._staged:
+            self.load(li, kb, n, t)
+        return self.slots[self._staged[(li, kb)]][tier].buf, self.slots[self._staged[(li, kb)]][tier].track.read_deps()
+
+    def stored_new_token(self, li: int, kb: int, tier: str, rows: int, t: int, ev: Event) -> None:
+        """Copy token t of staged rows from their slot back to their home; `ev` marks the
+        compute that wrote it into the slot."""
+        slot, home = self.slots[self._staged[(li, kb)]][tier], self.homes[li][kb][tier]
+        slot.track.wrote(ev)
+        off, nbytes = self._bytes(rows, t, t + 1)
+        deps = slot.track.read_deps() + home.track.claim()
+        cp = self.mover.copy(Span(home.buf, off, nbytes), Span(slot.buf, off, nbytes), deps, lane="store")
+        home.track.wrote(cp)
+        home.track.tag = t + 1
+        slot.track.was_read(cp)
+
+    def release(self, li: int, kb: int) -> None:
+        """Forget which slot holds (layer, batch): the next decode step loads again."""
+        self._staged.pop((li, kb), None)
+
+    def reset(self) -> None:
+        """Forget staged loads at the end of a block (a new block refills every row)."""
+        self._staged.clear()

@@ -1,0 +1,203 @@
+"""Lanes of work and the events that order them.
+
+Knows: CUDA streams and events, worker threads and futures. A lane runs
+callables in order after the events they depend on and returns an Event for
+each. `Tracked` turns reads and writes of a shared buffer into dependencies.
+On a CPU-only machine the copy lanes are worker threads, so the engine's
+schedule really runs concurrently there too, and a missing dependency shows
+up as a wrong result in CI rather than only on a GPU.
+Does not know: what the work is (copies, attention), tiers, models.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Iterable
+
+import torch
+
+
+class Event:
+    """Completion of some work: a CUDA event, a future, or nothing (already done).
+
+    A future may resolve to another Event (a thread that enqueued GPU work) or
+    to any other value (treated as done).
+    """
+
+    __slots__ = ("cuda", "fut")
+
+    def __init__(self, cuda: "torch.cuda.Event | None" = None, fut: Future | None = None):
+        self.cuda = cuda
+        self.fut = fut
+
+    @property
+    def host_pending(self) -> bool:
+        """True while waiting for it would block the host on a thread."""
+        return self.fut is not None and not self.fut.done()
+
+    def resolve(self) -> "Event":
+        """The innermost event; blocks the host on futures (and re-raises their errors)."""
+        ev = self
+        while ev.fut is not None:
+            inner = ev.fut.result()
+            ev = inner if isinstance(inner, Event) else DONE
+        return ev
+
+    def result(self) -> Any:
+        """The value of a future-backed event (None otherwise)."""
+        return self.fut.result() if self.fut is not None else None
+
+    def wait_host(self) -> None:
+        ev = self.resolve()
+        if ev.cuda is not None:
+            ev.cuda.synchronize()
+
+    def wait_stream(self, stream: "torch.cuda.Stream") -> None:
+        ev = self.resolve()
+        if ev.cuda is not None:
+            stream.wait_event(ev.cuda)
+
+
+DONE = Event()
+
+
+class ThreadLane:
+    """Runs callables one at a time on its own worker thread, each after its dependencies."""
+
+    def __init__(self, name: str):
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"flexoff-{name}")
+        self.last = DONE
+
+    def run(self, fn: Callable[[], Any], deps: Iterable[Event] = ()) -> Event:
+        deps = list(deps)
+
+        def task() -> Any:
+            for d in deps:
+                d.wait_host()
+            return fn()
+
+        self.last = Event(fut=self._pool.submit(task))
+        return self.last
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class StreamLane:
+    """Enqueues callables on a CUDA stream from the calling thread.
+
+    Dependencies are waited for on the stream, not on the host; if one is a
+    future still running on a thread, the enqueue is handed to a helper thread
+    so the caller never blocks.
+    """
+
+    def __init__(self, name: str, device: torch.device):
+        self.stream = torch.cuda.Stream(device)
+        self._helper = ThreadLane(f"{name}-helper")
+        self.last = DONE
+
+    def run(self, fn: Callable[[], Any], deps: Iterable[Event] = ()) -> Event:
+        deps = list(deps)
+        if any(d.host_pending for d in deps):
+            self.last = self._helper.run(lambda: self.enqueue(fn, deps))
+        else:
+            self.last = self.enqueue(fn, deps)
+        return self.last
+
+    def enqueue(self, fn: Callable[[], Any], deps: Iterable[Event] = ()) -> Event:
+        with torch.cuda.stream(self.stream):
+            for d in deps:
+                d.wait_stream(self.stream)
+            fn()
+            ev = torch.cuda.Event()
+            ev.record(self.stream)
+        return Event(cuda=ev)
+
+    def close(self) -> None:
+        self._helper.close()
+
+
+class ComputeLane:
+    """The calling thread and the device's current stream: where model math runs."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.stream = torch.cuda.current_stream(device) if self.cuda else None
+
+    def wait(self, deps: Iterable[Event]) -> None:
+        for d in deps:
+            if self.cuda:
+                d.wait_stream(self.stream)
+            else:
+                d.wait_host()
+
+    def mark(self) -> Event:
+        """An event for all compute issued so far."""
+        if not self.cuda:
+            return DONE
+        ev = torch.cuda.Event()
+        ev.record(self.stream)
+        return Event(cuda=ev)
+
+
+class Lanes:
+    """All lanes of one engine: compute, load (toward compute), store (away from it),
+    disk read, disk write, and CPU attention."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.compute = ComputeLane(device)
+        self.load: StreamLane | ThreadLane = StreamLane("load", device) if self.cuda else ThreadLane("load")
+        self.store: StreamLane | ThreadLane = StreamLane("store", device) if self.cuda else ThreadLane("store")
+        self.disk_read = ThreadLane("disk-read")
+        self.disk_write = ThreadLane("disk-write")
+        self.cpu = ThreadLane("cpu-attention")
+
+    def _all(self) -> list:
+        return [self.load, self.store, self.disk_read, self.disk_write, self.cpu]
+
+    def sync(self) -> None:
+        """Wait for everything issued so far (used at block edges and with overlap off)."""
+        for lane in self._all():
+            lane.last.wait_host()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def close(self) -> None:
+        for lane in self._all():
+            lane.close()
+
+
+class Tracked:
+    """Ordering for a buffer shared between lanes.
+
+    A reader waits for the writes of the current epoch; a writer that starts a
+    new epoch (`claim`) waits for those writes and every read since. Writers of
+    one epoch may run in parallel on disjoint parts of the buffer.
+    """
+
+    __slots__ = ("writes", "reads", "tag")
+
+    def __init__(self) -> None:
+        self.writes: list[Event] = []
+        self.reads: list[Event] = []
+        self.tag: Any = None  # what the buffer holds now (guards against reading stale data)
+
+    def read_deps(self) -> list[Event]:
+        return list(self.writes)
+
+    def claim(self) -> list[Event]:
+        """Start a new epoch of writes; returns what the writers must wait for."""
+        deps = self.writes + self.reads
+        self.writes, self.reads = [], []
+        return deps
+
+    def wrote(self, ev: Event) -> None:
+        if ev is not DONE:
+            self.writes.append(ev)
+
+    def was_read(self, ev: Event) -> None:
+        if ev is not DONE:
+            self.reads.append(ev)

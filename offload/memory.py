@@ -1,0 +1,102 @@
+"""The engine's memory accounting: what a policy needs on each tier, checked
+against budgets before anything is allocated.
+
+Knows: the bytes the weight store, KV store and hidden store will allocate
+(from the same sizing functions they use), the pinned buffers of the copy
+engine, and an estimate of transient GPU working memory. Its totals are what
+`flexoff policy` re-checks a searched policy against.
+Does not know: how the memory is used.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+
+import psutil
+import torch
+
+from flexoff.errors import MemoryBudgetError
+from flexoff.models.spec import ModelSpec
+from flexoff.offload.activations import act_bytes
+from flexoff.offload.kvcache import kv_bytes
+from flexoff.offload.layout import Layout
+from flexoff.offload.mover import CHUNK
+from flexoff.offload.placement import TIERS
+from flexoff.offload.tiers import GiB, Budgets
+from flexoff.offload.weights import plan_weights, weight_bytes
+from flexoff.policy.policy import Policy
+
+GPU_RESERVE = 256 << 20  # allocator slack and fragmentation on the compute device
+
+
+@dataclass
+class MemoryPlan:
+    parts: dict[str, dict[str, int]] = field(default_factory=dict)  # what -> tier -> bytes
+
+    def add(self, what: str, per_tier: dict[str, int]) -> None:
+        self.parts[what] = {t: int(per_tier.get(t, 0)) for t in TIERS}
+
+    def total(self, tier: str) -> int:
+        return sum(p[tier] for p in self.parts.values())
+
+    def totals(self) -> dict[str, int]:
+        return {t: self.total(t) for t in TIERS}
+
+    def describe(self, tier: str) -> str:
+        items = [f"{w} {p[tier] / GiB:.2f}" for w, p in self.parts.items() if p[tier]]
+        return ", ".join(items) + " GiB"
+
+
+def working_bytes(spec: ModelSpec, policy: Policy, max_prompt: int, elem: int) -> int:
+    """Transient compute-device memory of the largest layer in prefill (FlexGen's gpu_w)."""
+    b, s = policy.gpu_batch_size, max_prompt
+    hid = b * s * spec.hidden_size * elem * 6  # residual, normed input, q/k/v, output
+    mlp = b * s * spec.intermediate_size * elem * 3
+    scores = b * spec.num_heads * s * s * 4 * 2  # scores and probabilities, float32
+    head = b * spec.vocab_size * 4 * 2
+    return max(hid + scores, hid + mlp, head) + GPU_RESERVE
+
+
+def plan_memory(spec: ModelSpec, layouts: list[Layout], kv_rec_bytes: int, policy: Policy,
+                max_prompt: int, max_gen: int, dtype: torch.dtype, cuda: bool) -> MemoryPlan:
+    elem = dtype.itemsize
+    plan = MemoryPlan()
+    plan.add("weights", weight_bytes(plan_weights(layouts, policy)))
+    plan.add("kv cache", kv_bytes(spec, kv_rec_bytes, policy, max_prompt + max_gen))
+    plan.add("activations", act_bytes(spec, elem, policy, max_prompt))
+    pinned = 4 * CHUNK if (cuda and plan.total("disk") > 0) else 0  # disk bounce buffers
+    if policy.cpu_cache_compute and cuda:
+        pinned += 3 * policy.gpu_batch_size * spec.num_heads * spec.head_dim * elem
+    plan.add("buffers", {"cpu": pinned})
+    plan.add("working", {"gpu": working_bytes(spec, policy, max_prompt, elem)})
+    return plan
+
+
+def available(device: torch.device, offload_dir: str | None) -> dict[str, int]:
+    """What the machine has for each tier now."""
+    host = psutil.virtual_memory().available
+    gpu = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else host
+    disk = shutil.disk_usage(offload_dir or tempfile.gettempdir()).free
+    return {"gpu": gpu, "cpu": host, "disk": disk}
+
+
+def check(plan: MemoryPlan, budgets: Budgets, device: torch.device, offload_dir: str | None) -> None:
+    """Raise MemoryBudgetError if the plan does not fit, naming need and budget."""
+    have = available(device, offload_dir)
+    limits = {t: getattr(budgets, t) if getattr(budgets, t) is not None else have[t] for t in TIERS}
+    for tier in TIERS:
+        need = plan.total(tier)
+        if need > limits[tier]:
+            flag = {"gpu": "--gpu-mem", "cpu": "--cpu-mem", "disk": "--disk-mem"}[tier]
+            raise MemoryBudgetError(
+                f"policy needs {need / GiB:.2f} GiB on {tier} ({plan.describe(tier)}) but "
+                f"{limits[tier] / GiB:.2f} GiB is available ({flag}); move more to a lower tier, "
+                f"use a smaller batch, or try --policy auto")
+    if device.type == "cpu":  # the compute device is host memory too
+        need = plan.total("gpu") + plan.total("cpu")
+        if need > have["cpu"]:
+            raise MemoryBudgetError(
+                f"policy needs {need / GiB:.2f} GiB of host memory but {have['cpu'] / GiB:.2f} GiB is free; "
+                "put more on disk or use a smaller batch")

@@ -1,0 +1,131 @@
+"""Moving bytes between tiers on the right lane.
+
+Knows: how a byte range gets from one buffer to another: device and host
+memory through `copy_` on the load or store lane (CUDA streams on a GPU), disk
+through its own worker threads and two pinned bounce buffers per direction, in
+chunks, so a disk read overlaps the host-to-device copy of the chunk before it.
+Every copy returns an Event.
+Does not know: what the bytes are or why they move.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Literal
+
+import torch
+
+from flexoff.offload.lanes import DONE, Event, Lanes
+from flexoff.offload.tiers import DiskFile, MemTier
+
+CHUNK = 32 << 20  # bytes per disk transfer chunk
+
+
+@dataclass(frozen=True)
+class Span:
+    """A byte range of a buffer: a uint8 tensor (any device) or a disk file."""
+
+    buf: "torch.Tensor | DiskFile"
+    offset: int
+    nbytes: int
+
+    @property
+    def on_disk(self) -> bool:
+        return isinstance(self.buf, DiskFile)
+
+    def mem(self) -> torch.Tensor:
+        return self.buf[self.offset:self.offset + self.nbytes]
+
+
+def span_of(t: torch.Tensor) -> Span:
+    """The bytes of a contiguous tensor."""
+    assert t.is_contiguous()
+    u8 = t.reshape(-1).view(torch.uint8)
+    return Span(u8, 0, u8.numel())
+
+
+class Mover:
+    """Copies byte spans between tiers; one per engine."""
+
+    def __init__(self, lanes: Lanes, host: MemTier, chunk: int = CHUNK):
+        self.lanes, self.host, self.chunk = lanes, host, chunk
+        self._bounce: dict[str, list[torch.Tensor]] = {}  # pinned, allocated on first disk use
+        self._bounce_ev: dict[str, list] = {"read": [None, None], "write": [None, None]}
+
+    def copy(self, dst: Span, src: Span, deps: Iterable[Event] = (),
+             lane: Literal["load", "store"] = "load") -> Event:
+        assert dst.nbytes == src.nbytes, (dst.nbytes, src.nbytes)
+        assert not (dst.on_disk and src.on_disk)
+        if src.nbytes == 0:
+            return DONE
+        if src.on_disk:
+            return self.lanes.disk_read.run(lambda: self._read(dst, src), deps)
+        if dst.on_disk:
+            return self.lanes.disk_write.run(lambda: self._write(dst, src), deps)
+
+        def fn() -> None:
+            d, s = dst.mem(), src.mem()
+            d.copy_(s, non_blocking=True)
+            for t in (d, s):  # keep transient device tensors alive for this stream
+                if t.is_cuda:
+                    t.record_stream(torch.cuda.current_stream(t.device))
+
+        return (self.lanes.load if lane == "load" else self.lanes.store).run(fn, deps)
+
+    def bounce_bytes(self) -> int:
+        """Pinned host bytes the bounce buffers take once disk is used on a GPU machine."""
+        return 4 * self.chunk if self.lanes.cuda else 0
+
+    def _buffers(self, which: str) -> list[torch.Tensor]:
+        if which not in self._bounce:
+            self._bounce[which] = [self.host.alloc(self.chunk) for _ in range(2)]
+        return self._bounce[which]
+
+    def _read(self, dst: Span, src: Span) -> Event | None:
+        """Disk -> memory, on the disk-read thread."""
+        m = dst.mem()
+        if not m.is_cuda:
+            src.buf.read_into(src.offset, m)
+            return None
+        stream, bounce, evs = self.lanes.load.stream, self._buffers("read"), self._bounce_ev["read"]
+        m.record_stream(stream)
+        ev = None
+        for n, off in enumerate(range(0, src.nbytes, self.chunk)):
+            i, size = n % 2, min(self.chunk, src.nbytes - off)
+            if evs[i] is not None:
+                evs[i].synchronize()  # the bounce buffer's previous copy has left it
+            b = bounce[i][:size]
+            src.buf.read_into(src.offset + off, b)
+            with torch.cuda.stream(stream):
+                m[off:off + size].copy_(b, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+            evs[i] = ev
+        return Event(cuda=ev)
+
+    def _write(self, dst: Span, src: Span) -> None:
+        """Memory -> disk, on the disk-write thread."""
+        m = src.mem()
+        if not m.is_cuda:
+            dst.buf.write_from(dst.offset, m)
+            return
+        stream, bounce = self.lanes.store.stream, self._buffers("write")
+        m.record_stream(stream)
+        offs = list(range(0, src.nbytes, self.chunk))
+
+        def start(n: int) -> torch.cuda.Event:
+            off = offs[n]
+            size = min(self.chunk, src.nbytes - off)
+            with torch.cuda.stream(stream):
+                bounce[n % 2][:size].copy_(m[off:off + size], non_blocking=True)
+                e = torch.cuda.Event()
+                e.record(stream)
+            return e
+
+        pending = start(0)
+        for n, off in enumerate(offs):
+            nxt = start(n + 1) if n + 1 < len(offs) else None
+            pending.synchronize()
+            size = min(self.chunk, src.nbytes - off)
+            dst.buf.write_from(dst.offset + off, bounce[n % 2][:size])
+            pending = nxt

@@ -1,0 +1,161 @@
+"""Memory tiers: the compute device ("gpu"), host memory ("cpu") and disk.
+
+Knows: allocating and freeing byte buffers on each tier, pinning host memory
+that crosses the PCIe link, byte budgets and peak accounting, and the private
+offload folder (created 0700, files 0600, removed at exit, on errors and on
+Ctrl-C). Tiers know nothing of attention or MLPs.
+Does not know: what the bytes mean, or when they move (see mover and engine).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from flexoff.errors import MemoryBudgetError
+
+GiB = 1 << 30
+
+
+class MemTier:
+    """Byte buffers in GPU or host memory, with accounting."""
+
+    def __init__(self, name: str, device: torch.device, pin: bool = False):
+        self.name, self.device, self.pin = name, device, pin
+        self.used = 0
+        self.peak = 0
+        self._pinned: dict[int, int] = {}
+
+    def alloc(self, nbytes: int) -> torch.Tensor:
+        t = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
+        if self.pin and nbytes > 0:
+            _host_register(t)
+            self._pinned[t.data_ptr()] = nbytes
+        self.used += nbytes
+        self.peak = max(self.peak, self.used)
+        return t
+
+    def free(self, t: torch.Tensor, nbytes: int) -> None:
+        if self._pinned.pop(t.data_ptr(), None) is not None:
+            _host_unregister(t)
+        self.used -= nbytes
+
+
+def _host_register(t: torch.Tensor) -> None:
+    """Pin existing host memory (no power-of-two rounding, unlike torch's pinned allocator)."""
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
+    if int(getattr(err, "value", err)) != 0:
+        raise MemoryBudgetError(f"could not pin {t.numel() / GiB:.2f} GiB of host memory (CUDA error {err}); "
+                                "lower --cpu-mem or the batch size")
+
+
+def _host_unregister(t: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+
+class DiskFile:
+    """One buffer on disk: a file read and written at byte offsets (GIL released)."""
+
+    def __init__(self, path: str, nbytes: int):
+        self.path, self.nbytes = path, nbytes
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.ftruncate(self.fd, nbytes)
+
+    def read_into(self, offset: int, dst: torch.Tensor) -> None:
+        """Fill the CPU uint8 tensor dst with bytes [offset, offset + dst.numel())."""
+        view, done = memoryview(dst.numpy()), 0
+        while done < len(view):
+            n = os.preadv(self.fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise OSError(f"short read from offload file {self.path}")
+            done += n
+
+    def write_from(self, offset: int, src: torch.Tensor) -> None:
+        view, done = memoryview(src.numpy()), 0
+        while done < len(view):
+            done += os.pwritev(self.fd, [view[done:]], offset + done)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class DiskTier:
+    """Files in a private folder under `root` (or the system temp folder)."""
+
+    def __init__(self, root: str | None = None):
+        if root is not None:
+            os.makedirs(root, exist_ok=True)
+        self.dir = tempfile.mkdtemp(prefix="flexoff-", dir=root)  # created 0700
+        self.name = "disk"
+        self.used = 0
+        self.peak = 0
+        self._count = 0
+        self._files: list[DiskFile] = []
+        # runs on close(), on garbage collection and at interpreter exit
+        self._finalizer = weakref.finalize(self, _remove_dir, self.dir, self._files)
+
+    def alloc(self, nbytes: int) -> DiskFile:
+        self._count += 1
+        f = DiskFile(os.path.join(self.dir, f"buf{self._count}.bin"), nbytes)
+        self._files.append(f)
+        self.used += nbytes
+        self.peak = max(self.peak, self.used)
+        return f
+
+    def free(self, f: DiskFile, nbytes: int) -> None:
+        f.close()
+        os.unlink(f.path)
+        self._files.remove(f)
+        self.used -= nbytes
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _remove_dir(path: str, files: list[DiskFile]) -> None:
+    for f in files:
+        f.close()
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@dataclass
+class Budgets:
+    """Bytes each tier may hold; None means what the machine has."""
+
+    gpu: int | None = None
+    cpu: int | None = None
+    disk: int | None = None
+
+
+class Tiers:
+    """The three tiers of one engine. On a CPU-only machine "gpu" is host memory too."""
+
+    def __init__(self, device: torch.device, offload_dir: str | None = None):
+        self.device = device
+        self.gpu = MemTier("gpu", device)
+        self.cpu = MemTier("cpu", torch.device("cpu"), pin=device.type == "cuda")
+        self._offload_dir = offload_dir
+        self._disk: DiskTier | None = None
+
+    @property
+    def disk(self) -> DiskTier:
+        if self._disk is None:  # the folder exists only while something lives on disk
+            self._disk = DiskTier(self._offload_dir)
+        return self._disk
+
+    def get(self, name: str):
+        return {"gpu": self.gpu, "cpu": self.cpu, "disk": self.disk}[name]
+
+    def peaks(self) -> dict[str, int]:
+        return {"gpu": self.gpu.peak, "cpu": self.cpu.peak, "disk": self._disk.peak if self._disk else 0}
+
+    def close(self) -> None:
+        if self._disk is not None:
+            self._disk.close()

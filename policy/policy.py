@@ -1,0 +1,122 @@
+"""The Policy: a plan for placing and scheduling one model run, as data.
+
+Knows: FlexGen's policy fields (batch shape, placement percentages of weights,
+KV cache and activations on GPU / CPU / disk, compression, CPU attention,
+overlap), their validation, and their JSON form.
+Does not know: how a policy is executed (offload/ does that) or found (search).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from flexoff.errors import PolicyError
+
+PERCENT_FIELDS = ("w_gpu_percent", "w_cpu_percent", "cache_gpu_percent",
+                  "cache_cpu_percent", "act_gpu_percent", "act_cpu_percent")
+
+
+@dataclass(frozen=True)
+class Policy:
+    gpu_batch_size: int = 1  # sequences computed together on the GPU
+    num_gpu_batches: int = 1  # GPU batches in one block (block size = product)
+    w_gpu_percent: float = 100.0  # weights: % of each layer's bytes on the GPU
+    w_cpu_percent: float = 0.0  # ... on the CPU; the rest on disk
+    cache_gpu_percent: float = 100.0  # KV cache: % of each batch's sequences on the GPU
+    cache_cpu_percent: float = 0.0  # ... on the CPU; the rest on disk
+    act_gpu_percent: float = 100.0  # activations between layers, likewise
+    act_cpu_percent: float = 0.0
+    compress_weight: bool = False  # 4-bit group-wise weights
+    compress_cache: bool = False  # 4-bit group-wise KV cache
+    cpu_cache_compute: bool = False  # decode attention on the CPU where the cache lives there
+    overlap: bool = True  # overlap transfers with compute
+    quant_bits: int = 4  # bits per value when compressing
+    quant_group: int = 64  # values per group when compressing
+
+    def __post_init__(self) -> None:
+        for name in ("gpu_batch_size", "num_gpu_batches"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise PolicyError(f"{name} must be a positive integer, got {v!r}")
+        for name in PERCENT_FIELDS:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 100:
+                raise PolicyError(f"{name} must be a number from 0 to 100, got {v!r}")
+        for what in ("w", "cache", "act"):
+            total = getattr(self, f"{what}_gpu_percent") + getattr(self, f"{what}_cpu_percent")
+            if total > 100 + 1e-9:
+                raise PolicyError(f"{what}_gpu_percent + {what}_cpu_percent is {total:g}, over 100")
+        if self.quant_bits not in (4, 8):
+            raise PolicyError(f"quant_bits must be 4 or 8, got {self.quant_bits!r}")
+        if not isinstance(self.quant_group, int) or self.quant_group < 2 or self.quant_group % 2:
+            raise PolicyError(f"quant_group must be an even integer >= 2, got {self.quant_group!r}")
+
+    # ---- derived -------------------------------------------------------
+    @property
+    def block_size(self) -> int:
+        return self.gpu_batch_size * self.num_gpu_batches
+
+    @property
+    def w_disk_percent(self) -> float:
+        return max(0.0, 100.0 - self.w_gpu_percent - self.w_cpu_percent)
+
+    @property
+    def cache_disk_percent(self) -> float:
+        return max(0.0, 100.0 - self.cache_gpu_percent - self.cache_cpu_percent)
+
+    @property
+    def act_disk_percent(self) -> float:
+        return max(0.0, 100.0 - self.act_gpu_percent - self.act_cpu_percent)
+
+    @property
+    def percent(self) -> tuple[float, ...]:
+        """FlexGen's --percent tuple (wg, wc, cg, cc, hg, hc)."""
+        return tuple(getattr(self, f) for f in PERCENT_FIELDS)
+
+    def describe(self) -> str:
+        p = ", ".join(f"{x:g}" for x in self.percent)
+        flags = [n for n in ("compress_weight", "compress_cache", "cpu_cache_compute") if getattr(self, n)]
+        if not self.overlap:
+            flags.append("no-overlap")
+        return f"{self.gpu_batch_size}x{self.num_gpu_batches} ({p})" + (f" [{', '.join(flags)}]" if flags else "")
+
+    # ---- JSON ----------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Policy":
+        if not isinstance(d, dict):
+            raise PolicyError("a policy must be a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise PolicyError(f"unknown policy field(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(**d)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Policy":
+        try:
+            d = json.loads(Path(path).read_text())
+        except OSError as e:
+            raise PolicyError(f"cannot read policy file {path}: {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise PolicyError(f"policy file {path} is not valid JSON: {e.msg} (line {e.lineno})") from None
+        return cls.from_dict(d)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+    def with_percent(self, percent: tuple[float, ...]) -> "Policy":
+        if len(percent) != 6:
+            raise PolicyError("--percent takes six numbers: W_G W_C C_G C_C A_G A_C")
+        return replace(self, **dict(zip(PERCENT_FIELDS, percent)))
+
+    def replace(self, **changes: Any) -> "Policy":
+        return replace(self, **changes)
