@@ -196,6 +196,7 @@ class LLM:
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: Sequence[str] | None = None,
                  prompt_logprobs: bool = False,
                  on_block: Callable[[list[Completion], RunStats], None] | None = None,
+                 on_logits: Callable[[int, list[str], torch.Tensor], None] | None = None,
                  requests: list[Request] | None = None) -> GenerationOutput:
         """Complete every prompt; completions come back in input order."""
         defaults = SamplingParams(max_new_tokens, temperature, top_p, top_k, seed, tuple(stop or ()))
@@ -210,7 +211,7 @@ class LLM:
         bar = tqdm(total=len(reqs), desc="generating", unit="prompt", disable=not self.progress)
         try:
             for block in plan_blocks(reqs, policy.block_size):
-                comps, st = run_block(engine, self.tokenizer, block, self.seed, prompt_logprobs)
+                comps, st = run_block(engine, self.tokenizer, block, self.seed, prompt_logprobs, on_logits)
                 st.peak_bytes = engine.peaks()
                 stats.add(st)
                 for c in comps:

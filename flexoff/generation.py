@@ -142,7 +142,8 @@ class _Row:
 
 def run_block(engine: Engine, tokenizer: Tokenizer, block: list[Request], job_seed: int,
               prompt_logprobs: bool = False,
-              on_logits: Callable[[int, int, torch.Tensor], None] | None = None) -> tuple[list[Completion], RunStats]:
+              on_logits: Callable[[int, list[str], torch.Tensor], None] | None = None
+              ) -> tuple[list[Completion], RunStats]:
     """Generate the completions of one block of requests."""
     gbs = engine.policy.gpu_batch_size
     batches = [block[i:i + gbs] for i in range(0, len(block), gbs)]
@@ -155,7 +156,7 @@ def run_block(engine: Engine, tokenizer: Tokenizer, block: list[Request], job_se
         inner = sampler
 
         def sampler(logits: torch.Tensor, k: int, i: int) -> torch.Tensor:  # noqa: F811
-            on_logits(k, i, logits)
+            on_logits(i, [r.id for r in batches[k]], logits)  # (step, request ids, (n, vocab))
             return inner(logits, k, i)
 
     def on_tokens(step: int, tokens: list[torch.Tensor]) -> bool:

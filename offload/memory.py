@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import psutil
@@ -78,7 +79,10 @@ def available(device: torch.device, offload_dir: str | None) -> dict[str, int]:
     """What the machine has for each tier now."""
     host = psutil.virtual_memory().available
     gpu = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else host
-    disk = shutil.disk_usage(offload_dir or tempfile.gettempdir()).free
+    where = Path(offload_dir or tempfile.gettempdir()).absolute()
+    while not where.exists():  # the folder is created later; ask its nearest existing parent
+        where = where.parent
+    disk = shutil.disk_usage(where).free
     return {"gpu": gpu, "cpu": host, "disk": disk}
 
 

@@ -1,0 +1,118 @@
+"""Tiers, placement arithmetic, memory accounting and budgets, the offload folder, the schedule."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from flexoff import LLM, Policy
+from flexoff.errors import MemoryBudgetError
+from flexoff.offload.engine import Engine
+from flexoff.offload.placement import row_segments, row_split
+from flexoff.offload.schedule import Step, zigzag
+from flexoff.offload.tiers import Budgets, MemTier
+from reference import PROMPTS
+
+DISK = Policy(gpu_batch_size=2, num_gpu_batches=2, w_gpu_percent=0, w_cpu_percent=0,
+              cache_gpu_percent=0, cache_cpu_percent=0, act_gpu_percent=0, act_cpu_percent=50)
+
+
+def test_zigzag_order_and_lookahead():
+    steps = list(zigzag(2, 3, 2))
+    order = [Step(i, j, k) for i in range(2) for j in range(3) for k in range(2)]
+    assert [s for s, _ in steps] == order
+    assert [n for _, n in steps] == order[1:] + [None]
+
+
+def test_row_split_fills_fast_tiers_first():
+    assert row_split(4, 30, 40) == {"gpu": 1, "cpu": 2, "disk": 1}
+    assert row_split(3, 0, 100) == {"gpu": 0, "cpu": 3, "disk": 0}
+    assert row_segments(2, row_split(4, 30, 40)) == [("gpu", 0, 1), ("cpu", 1, 2)]
+    assert row_segments(4, row_split(4, 30, 40)) == [("gpu", 0, 1), ("cpu", 1, 3), ("disk", 3, 4)]
+
+
+def _engine(llm: LLM, policy: Policy, **kw) -> Engine:
+    m = llm.model
+    return Engine(m.family, m.spec, policy, device=torch.device("cpu"), dtype=torch.float32,
+                  max_prompt=32, max_gen=8, **kw)
+
+
+def test_weights_are_placed_by_bytes_and_accounting_matches_allocation(tiny):
+    with LLM("dummy:llama-tiny") as llm:
+        p = Policy(gpu_batch_size=4, num_gpu_batches=2, w_gpu_percent=20, w_cpu_percent=50,
+                   cache_gpu_percent=25, cache_cpu_percent=50, act_gpu_percent=50, act_cpu_percent=0)
+        e = _engine(llm, p)
+        try:
+            for s in e.weights.splits:
+                assert abs(s.a - 0.2 * s.n) <= 1 and abs(s.b - 0.7 * s.n) <= 1
+            plan = e.plan
+            for tier, alloc in (("gpu", e.tiers.gpu), ("cpu", e.tiers.cpu), ("disk", e.tiers.disk)):
+                planned = sum(plan.parts[w][tier] for w in ("weights", "kv cache", "activations", "buffers"))
+                assert alloc.used == planned, tier
+        finally:
+            e.close()
+
+
+def test_budget_refused_before_anything_is_allocated(monkeypatch):
+    calls = []
+    monkeypatch.setattr(MemTier, "alloc", lambda self, n: calls.append(n))
+    with LLM("dummy:opt-tiny") as llm:
+        with pytest.raises(MemoryBudgetError, match=r"needs .* GiB on gpu .* available \(--gpu-mem\)"):
+            _engine(llm, Policy(), budgets=Budgets(gpu=1000))
+        with pytest.raises(MemoryBudgetError, match="on disk"):
+            _engine(llm, DISK, budgets=Budgets(disk=10))
+    assert calls == []
+
+
+def test_offload_folder_is_private_and_removed(tmp_path, tiny_refs, tiny):
+    root = tmp_path / "off"
+    seen = {}
+    with LLM(str(tiny["llama"].path), policy=DISK, offload_dir=str(root)) as llm:
+        out = llm.generate([{"prompt_ids": p} for p in PROMPTS], max_new_tokens=8)
+        (folder,) = list(root.iterdir())
+        seen["dir"] = stat.S_IMODE(folder.stat().st_mode)
+        seen["files"] = {stat.S_IMODE(f.stat().st_mode) for f in folder.iterdir()}
+    assert [c.token_ids for c in out.completions] == [r for r, _ in tiny_refs["llama"]]
+    assert seen["dir"] == 0o700 and seen["files"] == {0o600}
+    assert list(root.iterdir()) == []
+
+
+def test_offload_folder_removed_on_error(tmp_path, monkeypatch):
+    root = tmp_path / "off"
+    with pytest.raises(KeyboardInterrupt):
+        with LLM("dummy:opt-tiny", policy=DISK, offload_dir=str(root)) as llm:
+            monkeypatch.setattr(Engine, "run_block", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+            llm.generate(["hello"], max_new_tokens=2)
+    assert list(root.iterdir()) == []
+
+
+def test_offload_folder_removed_at_exit_and_on_sigterm(tmp_path):
+    root = tmp_path / "exit"
+    code = ("import flexoff; from flexoff import LLM, Policy; "
+            f"llm = LLM('dummy:opt-tiny', policy=Policy(w_gpu_percent=0, w_cpu_percent=0), offload_dir={str(root)!r}); "
+            "llm.generate(['hi'], max_new_tokens=2)")  # exits without close()
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)
+    assert list(root.iterdir()) == []
+
+    root = tmp_path / "term"
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(f'{{"prompt": "p{i}"}}\n' for i in range(400)))
+    proc = subprocess.Popen([sys.executable, "-m", "flexoff.cli", "run", "--model", "dummy:opt-tiny", "-q",
+                             "--input", str(prompts), "--output", str(tmp_path / "o.jsonl"), "--percent",
+                             "0", "0", "0", "0", "100", "0", "--max-new-tokens", "64", "--gpu-batch-size", "1",
+                             "--offload-dir", str(root)], cwd=tmp_path, stderr=subprocess.PIPE)
+    deadline = time.time() + 60
+    while time.time() < deadline and not (root.exists() and any(root.iterdir())):
+        time.sleep(0.05)
+    assert any(root.iterdir())
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 143
+    assert list(root.iterdir()) == []

