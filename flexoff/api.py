@@ -75,7 +75,7 @@ class LLM:
                  allow_pickle: bool = False, offload_dir: str | None = None,
                  gpu_mem: int | None = None, cpu_mem: int | None = None, disk_mem: int | None = None,
                  seed: int = 0, progress: bool = False, hardware: str | None = None,
-                 weight_format: Any = None, kv_codec: Any = None):
+                 compression: tuple[str, str] = ("off", "off")):
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
         self.model: LoadedModel = load_model(model, allow_pickle)
@@ -88,7 +88,7 @@ class LLM:
         self.progress = progress
         self.hardware = hardware
         self.last_policy: Policy | None = None
-        self.weight_format, self.kv_codec = weight_format, kv_codec
+        self.compression = compression  # what --policy auto may use: off / on / auto, weights and cache
         self.engine: Engine | None = None
 
     @property
@@ -172,10 +172,13 @@ class LLM:
         if e is not None and e.policy == policy and e.max_prompt >= max_prompt and e.max_gen >= max_gen:
             return e
         self.close()
+        from flexoff.quant.engine import formats
+
         m = self.model
+        fmt, codec = formats(policy, m.spec, self.dtype)
         self.engine = Engine(m.family, m.spec, policy, device=self.device, dtype=self.dtype,
                              max_prompt=max_prompt, max_gen=max_gen, offload_dir=self.options.offload_dir,
-                             budgets=self.options.budgets, weight_format=self.weight_format, kv_codec=self.kv_codec)
+                             budgets=self.options.budgets, weight_format=fmt, kv_codec=codec)
         src_dev = self.device if m.name.startswith("dummy:") else torch.device("cpu")
         layers = tqdm(enumerate(m.spec.layers), total=len(m.spec.layers), desc="loading weights",
                       unit="layer", disable=not self.progress, leave=False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import signal
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
@@ -77,8 +78,10 @@ def build_policy(policy_arg: str | None, percent: tuple[float, ...] | None, gpu_
     if no_overlap:
         changes["overlap"] = False
     if policy_arg == "auto":
-        if changes or percent:
-            raise PolicyError("--policy auto chooses the placement and batch shape itself; drop the explicit policy flags")
+        placement = {k for k in changes if k not in ("compress_weight", "compress_cache")}
+        if placement or percent:
+            raise PolicyError("--policy auto chooses the placement and batch shape itself; drop the explicit "
+                              "policy flags (--compress-weight and --compress-cache are allowed)")
         return "auto"
     if policy_arg is None and not changes and percent is None:
         return None
@@ -128,7 +131,8 @@ def run(model: str | None, input_path: str, output_path: str, max_new_tokens: in
         read_prompts(input_path, chat)  # fail fast on a bad file, before loading the model
     llm = LLM(model, policy=policy, device=device, dtype=dtype, allow_pickle=allow_pickle,
               offload_dir=offload_dir, gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk_mem=disk_mem, seed=seed,
-              progress=not quiet, hardware=hardware)
+              progress=not quiet, hardware=hardware,
+              compression=("on" if compress_weight else "off", "on" if compress_cache else "off"))
     try:
         res = run_job(llm, input_path, output_path, defaults, chat)
     finally:
@@ -140,6 +144,126 @@ def run(model: str | None, input_path: str, output_path: str, max_new_tokens: in
         click.echo(f"policy: {llm.last_policy.describe()}", err=True)
     peaks = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in st.peak_bytes.items())
     click.echo(st.summary() + (f"; peak memory {peaks}" if peaks else ""), err=True)
+
+
+@cli.command()
+@click.option("--model", default=None, help="As for `flexoff run`.")
+@click.option("--text", "text_path", required=True, type=click.Path(dir_okay=False), help="A UTF-8 text file.")
+@click.option("--max-tokens", type=click.IntRange(min=2), default=None, help="Score only the first N tokens.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto")
+@click.option("--device", default="auto")
+@click.option("--compress-weight", is_flag=True, help="4-bit group-wise weights.")
+@click.option("--compress-cache", is_flag=True, help="4-bit group-wise KV cache.")
+@click.option("--gpu-batch-size", type=click.IntRange(min=1), default=8, show_default=True)
+def ppl(model: str | None, text_path: str, max_tokens: int | None, dtype: str, device: str,
+        compress_weight: bool, compress_cache: bool, gpu_batch_size: int) -> None:
+    """Perplexity of a model on a text (the last line is `perplexity <value>`)."""
+    from flexoff.api import LLM
+    from flexoff.errors import InputError
+    from flexoff.policy.policy import Policy
+    from flexoff.ppl import perplexity
+
+    try:
+        text = open(text_path, encoding="utf-8").read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"cannot read {text_path}: {e}") from None
+    policy = Policy(gpu_batch_size=gpu_batch_size, compress_weight=compress_weight, compress_cache=compress_cache)
+    with LLM(model, policy=policy, device=device, dtype=dtype) as llm:
+        r = perplexity(llm, text, max_tokens)
+    click.echo(f"model {llm.model.name}, dtype {str(llm.dtype).replace('torch.', '')}, "
+               f"weights {'4-bit' if compress_weight else 'dense'}, cache {'4-bit' if compress_cache else 'dense'}")
+    click.echo(f"{r.tokens} tokens scored in {r.windows} non-overlapping windows of {r.window} tokens "
+               f"(the smaller of the model's context and {512})")
+    click.echo(f"perplexity {r.value:.4f}")
+
+
+@cli.command()
+@click.option("--offload-dir", type=click.Path(file_okay=False), default=None, help="Where disk bandwidth is measured.")
+@click.option("--output", type=click.Path(dir_okay=False), default=None, help="Also write the profile here.")
+def profile(offload_dir: str | None, output: str | None) -> None:
+    """Measure this machine for the cost model (under a minute) and cache the result."""
+    from flexoff.policy import hardware
+
+    hw = hardware.measure(offload_dir)
+    hardware.save(hw, hardware.cache_path())
+    if output:
+        hardware.save(hw, Path(output))
+    click.echo(hardware_table(hw))
+    click.echo(f"cached in {hardware.cache_path()}")
+
+
+def hardware_table(hw: Any) -> str:
+    from dataclasses import asdict
+
+    rows = []
+    for k, v in asdict(hw).items():
+        if isinstance(v, str):
+            rows.append(f"{k:18} {v}")
+        elif k.endswith("_mem"):
+            rows.append(f"{k:18} {v / 2**30:10.1f} GiB")
+        elif "flops" in k:
+            rows.append(f"{k:18} {v / 1e12:10.3f} TFLOP/s")
+        else:
+            rows.append(f"{k:18} {v / 1e9:10.2f} GB/s")
+    return "\n".join(rows)
+
+
+@cli.group()
+def policy() -> None:
+    """Search offloading policies with the cost model."""
+
+
+@policy.command("search")
+@click.option("--model", required=True, help="Any model name flexoff accepts (dummy:NAME needs no weights).")
+@click.option("--prompt-len", type=click.IntRange(min=1), required=True)
+@click.option("--gen-len", type=click.IntRange(min=1), required=True)
+@click.option("--num-prompts", type=click.IntRange(min=1), default=None, help="Sequences in the job (default: unbounded).")
+@click.option("--gpu-mem", callback=_size, default=None)
+@click.option("--cpu-mem", callback=_size, default=None)
+@click.option("--disk-mem", callback=_size, default=None)
+@click.option("--hardware", default=None, help="A profile file or preset (flexgen-t4, h200); default: this machine.")
+@click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32"]), default="float16", show_default=True)
+@click.option("--compress-weight", "cw", type=click.Choice(["off", "on", "auto"]), default="off", show_default=True)
+@click.option("--compress-cache", "cc", type=click.Choice(["off", "on", "auto"]), default="off", show_default=True)
+@click.option("--cpu-attention", type=click.Choice(["off", "on", "auto"]), default="auto", show_default=True)
+@click.option("--no-overlap", is_flag=True)
+@click.option("--max-latency", type=click.FloatRange(min=0, min_open=True), default=None, help="Seconds per block.")
+@click.option("--objective", type=click.Choice(["throughput", "latency"]), default="throughput", show_default=True)
+@click.option("--top", type=click.IntRange(min=1), default=5, show_default=True, help="Runner-up policies to show.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the chosen Policy here.")
+def policy_search(model: str, prompt_len: int, gen_len: int, num_prompts: int | None, gpu_mem: Any, cpu_mem: Any,
+                  disk_mem: Any, hardware: str | None, dtype: str, cw: str, cc: str, cpu_attention: str,
+                  no_overlap: bool, max_latency: float | None, objective: str, top: int, json_path: str | None) -> None:
+    """Find the best policy for a model and workload, and explain it."""
+    from flexoff.checkpoint import load_model
+    from flexoff.policy import hardware as hwmod
+    from flexoff.policy.cost_model import Workload
+    from flexoff.policy.search import Budget, search
+
+    spec = load_model(model).spec
+    hw = hwmod.load(hardware, log=lambda m: click.echo(m, err=True))
+    budget = Budget.of(hw, gpu_mem, cpu_mem, disk_mem)
+    work = Workload(prompt_len, gen_len, {"float32": 4}.get(dtype, 2), num_prompts)
+    cands = search(spec, hw, work, budget, compress_weight=cw, compress_cache=cc, cpu_attention=cpu_attention,
+                   overlap=not no_overlap, max_latency=max_latency, objective=objective)
+    best = cands[0]
+    p, gib = best.prediction, 2**30
+    click.echo(f"model {spec.name} on {hw.name}, prompt {prompt_len} + gen {gen_len}, budgets GPU "
+               f"{budget.gpu / gib:.1f} GiB, CPU {budget.cpu / gib:.1f} GiB, disk {budget.disk / gib:.1f} GiB")
+    click.echo(f"policy      {best.policy.describe()}")
+    click.echo(f"prefill     {p.prefill_s:.3f} s per block of {best.policy.block_size}")
+    click.echo(f"decode      {p.decode_s:.3f} s per block")
+    click.echo(f"throughput  {p.throughput:.3f} tokens/s (predicted)")
+    click.echo(f"bottleneck  {p.bottleneck}")
+    click.echo("memory      " + ", ".join(f"{t} {v / gib:.2f} GiB" for t, v in p.memory.items()))
+    if len(cands) > 1:
+        click.echo("runners-up:")
+        for c in cands[1:top + 1]:
+            q = c.prediction
+            click.echo(f"  {c.policy.describe():60} {q.throughput:9.3f} tok/s  latency {q.latency:9.2f} s  {q.bottleneck}")
+    if json_path:
+        best.policy.save(json_path)
+        click.echo(f"wrote {json_path}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,7 @@ from flexoff.policy.policy import Policy
 def act_bytes(spec: ModelSpec, elem_bytes: int, policy: Policy, max_prompt: int) -> dict[str, int]:
     split = row_split(policy.gpu_batch_size, policy.act_gpu_percent, policy.act_cpu_percent)
     per_row = max_prompt * spec.hidden_size * elem_bytes * policy.num_gpu_batches
-    return {t: (split[t] * per_row if t != "gpu" else 0) for t in TIERS}
+    return {t: split[t] * per_row for t in TIERS}  # GPU rows: compute's tensors, kept between layers
 
 
 @dataclass

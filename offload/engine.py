@@ -146,7 +146,12 @@ class Engine:
             self.weights.fill(j, tensors)
 
     def close(self) -> None:
+        """Stop the lanes, unpin host memory and remove the offload folder. Idempotent."""
         if hasattr(self, "lanes"):
+            try:
+                self.lanes.sync()  # nothing may still be copying into memory we release
+            except Exception:  # a failed lane already raised where it mattered
+                pass
             self.lanes.close()
         if hasattr(self, "tiers"):
             self.tiers.close()
@@ -277,9 +282,9 @@ class Engine:
         i, j, k = step
         fam, kv, li = self.fam, self.kv, self.kv.layer_index[j]
         q, kk, vv = fam.attn_in(w, h, st.inputs(i)[1])
-        if i == 0:  # prefill: attention over the fresh keys, then store them
-            o = attend(q, kk, vv, st.mask0, fam.scale)
+        if i == 0:  # prefill: store the keys, attend over them as stored (a lossy codec's values)
             kv.store_prompt(li, k, st.n, kk, vv, self.lanes.compute.mark())
+            o = attend(q, *kv.codec.roundtrip(kk, vv), st.mask0, fam.scale)
             self._finish_layer(j, k, fam.attn_out(w, h, o))
             return None
         t = st.S + i - 1  # position of the new token

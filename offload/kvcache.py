@@ -31,6 +31,7 @@ class KVCodec(Protocol):
     def write(self, buf: torch.Tensor, rows: int, t: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
     def read(self, buf: torch.Tensor, rows: int, t: int) -> tuple[torch.Tensor, torch.Tensor]: ...
     def encode(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+    def roundtrip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class PlainKV:
@@ -59,6 +60,10 @@ class PlainKV:
         """Records of k, v (rows, kv_heads, s, head_dim) as contiguous (s, rows, rec) bytes."""
         x = torch.stack((k, v), dim=0).permute(3, 1, 0, 2, 4).contiguous()  # (s, rows, 2, kvh, d)
         return x.view(torch.uint8).view(x.shape[0], x.shape[1], self.rec_bytes)
+
+    def roundtrip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k and v as a read of the cache would return them: unchanged."""
+        return k, v
 
 
 @dataclass

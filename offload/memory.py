@@ -29,7 +29,7 @@ from flexoff.offload.tiers import GiB, Budgets
 from flexoff.offload.weights import plan_weights, weight_bytes
 from flexoff.policy.policy import Policy
 
-GPU_RESERVE = 256 << 20  # allocator slack and fragmentation on the compute device
+GPU_RESERVE = 256 << 20  # CUDA allocator slack and fragmentation
 
 
 @dataclass
@@ -50,16 +50,6 @@ class MemoryPlan:
         return ", ".join(items) + " GiB"
 
 
-def working_bytes(spec: ModelSpec, policy: Policy, max_prompt: int, elem: int) -> int:
-    """Transient compute-device memory of the largest layer in prefill (FlexGen's gpu_w)."""
-    b, s = policy.gpu_batch_size, max_prompt
-    hid = b * s * spec.hidden_size * elem * 6  # residual, normed input, q/k/v, output
-    mlp = b * s * spec.intermediate_size * elem * 3
-    scores = b * spec.num_heads * s * s * 4 * 2  # scores and probabilities, float32
-    head = b * spec.vocab_size * 4 * 2
-    return max(hid + scores, hid + mlp, head) + GPU_RESERVE
-
-
 def plan_memory(spec: ModelSpec, layouts: list[Layout], kv_rec_bytes: int, policy: Policy,
                 max_prompt: int, max_gen: int, dtype: torch.dtype, cuda: bool) -> MemoryPlan:
     elem = dtype.itemsize
@@ -71,7 +61,9 @@ def plan_memory(spec: ModelSpec, layouts: list[Layout], kv_rec_bytes: int, polic
     if policy.cpu_cache_compute and cuda:
         pinned += 3 * policy.gpu_batch_size * spec.num_heads * spec.head_dim * elem
     plan.add("buffers", {"cpu": pinned})
-    plan.add("working", {"gpu": working_bytes(spec, policy, max_prompt, elem)})
+    device = "cuda" if cuda else "cpu"
+    working = spec.working_bytes(policy.gpu_batch_size, max_prompt, elem, device) + (GPU_RESERVE if cuda else 0)
+    plan.add("working", {"gpu": working})
     return plan
 
 

@@ -29,21 +29,22 @@ class MemTier:
         self.name, self.device, self.pin = name, device, pin
         self.used = 0
         self.peak = 0
-        self._pinned: dict[int, int] = {}
+        self._pinned: dict[int, torch.Tensor] = {}  # registered host buffers, by address
 
     def alloc(self, nbytes: int) -> torch.Tensor:
         t = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
         if self.pin and nbytes > 0:
             _host_register(t)
-            self._pinned[t.data_ptr()] = nbytes
+            self._pinned[t.data_ptr()] = t
         self.used += nbytes
         self.peak = max(self.peak, self.used)
         return t
 
-    def free(self, t: torch.Tensor, nbytes: int) -> None:
-        if self._pinned.pop(t.data_ptr(), None) is not None:
+    def close(self) -> None:
+        """Unpin everything (before the memory goes back to the allocator, which may reuse it)."""
+        for t in self._pinned.values():
             _host_unregister(t)
-        self.used -= nbytes
+        self._pinned.clear()
 
 
 def _host_register(t: torch.Tensor) -> None:
@@ -109,12 +110,6 @@ class DiskTier:
         self.peak = max(self.peak, self.used)
         return f
 
-    def free(self, f: DiskFile, nbytes: int) -> None:
-        f.close()
-        os.unlink(f.path)
-        self._files.remove(f)
-        self.used -= nbytes
-
     def close(self) -> None:
         self._finalizer()
 
@@ -157,5 +152,6 @@ class Tiers:
         return {"gpu": self.gpu.peak, "cpu": self.cpu.peak, "disk": self._disk.peak if self._disk else 0}
 
     def close(self) -> None:
+        self.cpu.close()
         if self._disk is not None:
             self._disk.close()

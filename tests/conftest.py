@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # Triton kernels run on the CPU through the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from reference import PROMPTS, TinyModel, hf_greedy, save_tiny, smollm2_gguf, tiny_configs
 

@@ -92,6 +92,23 @@ class ModelSpec:
         """Bytes of the hidden state of one token between two layers."""
         return int(self.hidden_size * elem_bytes)
 
+    def working_bytes(self, batch: int, seq: int, elem_bytes: int, device: str = "cuda") -> int:
+        """Transient memory of computing the largest layer on `batch` sequences of `seq` tokens
+        (FlexGen's gpu_w working term): hidden states, q/k/v and MLP intermediates in the compute
+        dtype, logits in float32, and attention's masks; on the CPU attention also materializes
+        its float32 scores (flexoff.models.attention), on CUDA the fused kernel does not."""
+        tokens, h1 = batch * seq, self.hidden_size
+        qkv = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        group = self.num_heads // self.num_kv_heads
+        scores = batch * group * seq * seq * (1 + elem_bytes)  # boolean mask and its additive form
+        if device != "cuda":
+            scores += batch * self.num_heads * seq * seq * 4 * 2
+        attn = tokens * (3 * h1 + 2 * qkv) * elem_bytes + scores
+        gates = 3 if self.family == "llama" else 2  # SwiGLU holds gate, silu(gate) and up at once
+        mlp = tokens * (2 * h1 + gates * self.intermediate_size) * elem_bytes
+        head = batch * self.vocab_size * 4 * 2
+        return max(attn, mlp, head)
+
     # ---- FLOPs ---------------------------------------------------------
     def linear_flops(self, j: int) -> int:
         """Matmul FLOPs of layer j for one token (2 per multiply-add)."""

@@ -1,0 +1,62 @@
+"""`--policy auto`: search a policy for this job on this machine, and make sure it runs.
+
+Knows: where the hardware profile comes from (a preset, a file, or this
+machine's cached profile, measured once), the job's workload (longest prompt,
+longest generation, number of prompts), the user's budgets, and that the
+search's winner must also pass the engine's own memory accounting; the first
+candidate that does is used.
+Does not know: the cost model's terms (policy/) or the schedule (offload/).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+from flexoff.errors import MemoryBudgetError
+from flexoff.offload.layout import Layout, PlainFormat
+from flexoff.offload.memory import MemoryPlan, check, plan_memory
+from flexoff.offload.placement import TIERS
+from flexoff.policy.cost_model import Workload
+from flexoff.policy.hardware import load
+from flexoff.policy.policy import Policy
+from flexoff.policy.search import Budget, search
+
+
+def engine_plan(llm: Any, policy: Policy, prompt_len: int, gen_len: int) -> MemoryPlan:
+    """What the engine would allocate for this policy."""
+    from flexoff.quant.engine import formats
+
+    m = llm.model
+    fmt, codec = formats(policy, m.spec, llm.dtype)
+    layouts = [Layout(fmt.fields(l)) for l in m.spec.layers]
+    return plan_memory(m.spec, layouts, codec.rec_bytes, policy, prompt_len, gen_len, llm.dtype,
+                       llm.device.type == "cuda")
+
+
+def auto_policy(llm: Any, prompt_len: int, gen_len: int, num_prompts: int | None) -> Policy:
+    """The best searched policy that the engine's own accounting accepts. Where the engine needs
+    more than the cost model counted (alignment, staging of whole tensors), the search is run
+    again with budgets lowered by the difference."""
+    hw = load(llm.hardware, llm.options.offload_dir, log=lambda s: click.echo(s, err=True))
+    b = llm.options.budgets
+    budget = Budget.of(hw, b.gpu, b.cpu, b.disk)
+    work = Workload(prompt_len, gen_len, llm.dtype.itemsize, num_prompts)
+    error: MemoryBudgetError | None = None
+    for _ in range(4):
+        excess = {t: 0.0 for t in TIERS}
+        cands = search(llm.model.spec, hw, work, budget, compress_weight=llm.compression[0],
+                       compress_cache=llm.compression[1])
+        for cand in cands[:8]:
+            plan = engine_plan(llm, cand.policy, prompt_len, gen_len)
+            try:
+                check(plan, b, llm.device, llm.options.offload_dir)
+                return cand.policy
+            except MemoryBudgetError as e:
+                error = e
+            for t in TIERS:
+                excess[t] = max(excess[t], plan.total(t) - cand.prediction.memory[t])
+        budget = Budget(*(getattr(budget, t) - max(0.0, excess[t]) for t in TIERS))
+        if min(budget.gpu, budget.cpu, budget.disk) <= 0:
+            break
+    raise MemoryBudgetError(f"no searched policy passes the engine's memory check: {error}")

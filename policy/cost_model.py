@@ -1,0 +1,195 @@
+"""FlexGen's cost model (Appendix A.3), written against ModelSpec and our engine.
+
+Knows: for a model, hardware, workload and the discrete part of a policy
+(batch shape, compression, CPU attention, overlap), the time of each engine
+layer in prefill and decode as the max (overlap on) or sum (off) of its
+transfer and compute terms, and the peak memory of each tier; every term is
+linear in the nine placement fractions, so the same code builds the LP's
+constraints (with PuLP variables) and evaluates a concrete policy (floats).
+Does not know: the LP solver or rounding (search.py), the engine.
+
+Names follow the FlexGen paper:
+
+| name | meaning |
+|------|---------|
+| wg, wc, wd | fraction of each layer's weight bytes on GPU, CPU, disk |
+| cg, cc, cd | fraction of each GPU batch's KV-cache rows on GPU, CPU, disk |
+| hg, hc, hd | fraction of each GPU batch's activation rows on GPU, CPU, disk |
+| l | transformer layers (the engine runs 2l + 2 layers: embed, attn and mlp per block, head) |
+| s, n | prompt length, tokens generated per sequence |
+| bls, gbs | block size (gbs x number of GPU batches), GPU batch size |
+| h1, h2, nh | hidden size, MLP hidden size, attention heads |
+| ctog_bdw, gtoc_bdw, dtoc_bdw, ctod_bdw | CPU->GPU, GPU->CPU, disk->CPU, CPU->disk bandwidths |
+| mm_flops, bmm_flops | GPU matmul and batched-matmul FLOP/s (p: prefill shapes, g: decode) |
+| cpu_flops, cpu_attn_bdw | CPU attention FLOP/s, and the KV bytes/s it reads |
+| ctog, gtoc, dtoc, ctod, comp | a layer's seconds of each transfer, and of compute |
+| T_pre, T_gen | a layer's prefill time, and its average decode time per token |
+| T | block latency: sum over layers of T_pre + (n - 1) T_gen |
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from flexoff.models.spec import ModelSpec
+from flexoff.policy.hardware import Hardware
+from flexoff.quant.sizes import kv_config, kv_record_bytes, layer_bytes, weight_config
+
+VARS = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd")
+KINDS = ("embed", "attn", "mlp", "head")
+GPU_RESERVE = 256 << 20  # the engine's CUDA allocator slack (offload/memory.py)
+
+
+@dataclass(frozen=True)
+class Workload:
+    prompt_len: int  # s
+    gen_len: int  # n
+    elem_bytes: int = 2  # compute dtype
+    num_prompts: int | None = None  # sequences in the job (None: unbounded)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The discrete part of a policy, fixed while the LP picks the placement."""
+
+    gpu_batch_size: int
+    num_gpu_batches: int
+    compress_weight: bool = False
+    compress_cache: bool = False
+    cpu_cache_compute: bool = False
+    overlap: bool = True
+    quant_bits: int = 4
+    quant_group: int = 64
+
+    @property
+    def bls(self) -> int:
+        return self.gpu_batch_size * self.num_gpu_batches
+
+
+@dataclass
+class Prediction:
+    prefill_s: float  # block prefill time
+    decode_s: float  # block decode time
+    throughput: float  # generated tokens / s over the whole job
+    bottleneck: str  # the largest term of the layer kind that dominates decode
+    memory: dict[str, float]  # peak bytes per tier
+    terms: dict[str, dict[str, float]]  # "stage/kind" -> term -> seconds (one layer)
+
+    @property
+    def latency(self) -> float:
+        return self.prefill_s + self.decode_s
+
+
+class CostModel:
+    def __init__(self, spec: ModelSpec, hw: Hardware, work: Workload, choice: Choice):
+        self.spec, self.hw, self.work, self.ch = spec, hw, work, choice
+        eb = work.elem_bytes
+        wq = weight_config(choice.quant_bits, choice.quant_group) if choice.compress_weight else None
+        kq = kv_config(choice.quant_bits, choice.quant_group, spec.head_dim) if choice.compress_cache else None
+        self.count = {k: sum(1 for l in spec.layers if l.kind == k) for k in KINDS}
+        first = {k: next(j for j, l in enumerate(spec.layers) if l.kind == k) for k in KINDS}
+        self.W = {k: layer_bytes(spec.layers[first[k]], eb, wq) for k in KINDS}  # stored bytes
+        self.W_dense = {k: layer_bytes(spec.layers[first[k]], eb) for k in KINDS}
+        self.F = {k: spec.linear_flops(first[k]) for k in KINDS}  # matmul FLOPs per token
+        self.kv = kv_record_bytes(spec.num_kv_heads, spec.head_dim, eb, kq)  # stored, per token per layer
+        self.kv_dense = kv_record_bytes(spec.num_kv_heads, spec.head_dim, eb)
+        self.A = spec.hidden_size * eb  # activation bytes per token
+        self.Q = spec.num_heads * spec.head_dim * eb  # query / attention output bytes per token
+        self.W_total = sum(self.count[k] * self.W[k] for k in KINDS)
+        self.W_max = max(self.W.values())
+
+    # ---- time ----------------------------------------------------------
+    def terms(self, x: Mapping[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
+        """Seconds of each term of one layer of each kind, in prefill ("p") and decode ("g")."""
+        hw, ch, spec = self.hw, self.ch, self.spec
+        s, n, bls = self.work.prompt_len, self.work.gen_len, ch.bls
+        ctx = s + n / 2  # average context during decode
+        cpu_attn = ch.cpu_cache_compute
+        staged = x["cd"] + (0 if cpu_attn else x["cc"])  # cache rows copied to the GPU to attend
+        on_gpu = x["cg"] + staged  # cache rows attended on the GPU
+        out: dict[tuple[str, str], dict[str, Any]] = {}
+        for k in KINDS:
+            attn, W, Wd = k == "attn", self.W[k], self.W_dense[k]
+            h_in, h_out = k != "embed", k != "head"  # layers that load / store activations
+            deq_w = Wd / hw.dequant_bdw if ch.compress_weight else 0
+            for stage in ("p", "g"):
+                tok = s if stage == "p" else 1  # tokens per sequence this step
+                act = bls * tok * self.A
+                t = {
+                    "ctog": ((x["wc"] + x["wd"]) * W + (x["hc"] + x["hd"]) * act * h_in) / hw.ctog_bdw,
+                    "gtoc": (x["hc"] + x["hd"]) * act * h_out / hw.gtoc_bdw_hidden,
+                    "dtoc": (x["wd"] * W + x["hd"] * act * h_in) / hw.dtoc_bdw,
+                    "ctod": x["hd"] * act * h_out / hw.ctod_bdw_hidden,
+                }
+                rows = 1 if (stage == "p" and k == "head") else tok  # the head sees the last token only
+                gpu = bls * rows * self.F[k] / (hw.mm_flops_p if stage == "p" else hw.mm_flops_g) + deq_w
+                cpu = 0.0
+                if attn and stage == "p":
+                    t["gtoc"] += (x["cc"] + x["cd"]) * bls * s * self.kv / hw.gtoc_bdw_cache
+                    t["ctod"] += x["cd"] * bls * s * self.kv / hw.ctod_bdw_cache
+                    gpu += bls * spec.attn_flops(1) * s * (s + 1) / 2 / hw.bmm_flops_p
+                    if ch.compress_cache:
+                        gpu += bls * s * self.kv_dense / hw.dequant_bdw
+                elif attn:
+                    t["ctog"] += staged * bls * ctx * self.kv / hw.ctog_bdw
+                    t["dtoc"] += x["cd"] * bls * ctx * self.kv / hw.dtoc_bdw
+                    t["gtoc"] += staged * bls * self.kv / hw.gtoc_bdw_cache
+                    t["ctod"] += x["cd"] * bls * self.kv / hw.ctod_bdw_cache
+                    gpu += on_gpu * bls * spec.attn_flops(ctx) / hw.bmm_flops_g
+                    if ch.compress_cache:
+                        gpu += on_gpu * bls * ctx * self.kv_dense / hw.dequant_bdw
+                    if cpu_attn:  # q and new k, v go down; the output comes back
+                        t["gtoc"] += x["cc"] * bls * (self.Q + self.kv_dense) / hw.gtoc_bdw_hidden
+                        t["ctog"] += x["cc"] * bls * self.Q / hw.ctog_bdw
+                        cpu = x["cc"] * bls * ctx * self.kv / hw.cpu_attn_bdw
+                        if ch.compress_cache:
+                            cpu += x["cc"] * bls * ctx * self.kv_dense / hw.cpu_dequant_bdw
+                if ch.num_gpu_batches > 1:  # CPU attention of one batch overlaps the next's GPU work
+                    t["comp"], t["cpu_comp"] = gpu, cpu
+                else:
+                    t["comp"] = gpu + cpu
+                out[(stage, k)] = t
+        return out
+
+    # ---- memory --------------------------------------------------------
+    def memory(self, x: Mapping[str, Any]) -> dict[str, Any]:
+        """Peak bytes of each tier, as the engine allocates them."""
+        ch, s, n = self.ch, self.work.prompt_len, self.work.gen_len
+        L = self.count["attn"]
+        cache = ch.bls * (s + n) * self.kv * L
+        act = ch.bls * s * self.A
+        staged = x["cd"] + (0 if ch.cpu_cache_compute else x["cc"])
+        working = self.spec.working_bytes(ch.gpu_batch_size, s, self.work.elem_bytes, self.hw.device)
+        working += GPU_RESERVE if self.hw.device == "cuda" else 0
+        return {
+            "gpu": x["wg"] * self.W_total + 2 * (1 - x["wg"]) * self.W_max + x["cg"] * cache
+            + 2 * ch.gpu_batch_size * staged * (s + n) * self.kv + x["hg"] * act + working,
+            "cpu": x["wc"] * self.W_total + x["cc"] * cache + x["hc"] * act,
+            "disk": x["wd"] * self.W_total + x["cd"] * cache + x["hd"] * act,
+        }
+
+    # ---- evaluation ----------------------------------------------------
+    def layer_time(self, t: Mapping[str, float]) -> float:
+        return max(t.values()) if self.ch.overlap else sum(t.values())
+
+    def evaluate(self, x: Mapping[str, float]) -> Prediction:
+        n = self.work.gen_len
+        terms = self.terms(x)
+        pre = sum(self.count[k] * self.layer_time(terms[("p", k)]) for k in KINDS)
+        gen = sum(self.count[k] * self.layer_time(terms[("g", k)]) for k in KINDS)
+        decode = (n - 1) * gen
+        worst = max(KINDS, key=lambda k: self.count[k] * self.layer_time(terms[("g" if n > 1 else "p", k)]))
+        stage = "g" if n > 1 else "p"
+        term = max(terms[(stage, worst)].items(), key=lambda kv: kv[1])[0]
+        return Prediction(pre, decode, self.throughput(pre + decode), f"{term} ({worst} layers)",
+                          {t: float(v) for t, v in self.memory(x).items()},
+                          {f"{st}/{k}": {a: float(b) for a, b in v.items()} for (st, k), v in terms.items()})
+
+    def throughput(self, block_latency: float) -> float:
+        """Generated tokens per second over the job: whole blocks of bls sequences."""
+        bls, n, N = self.ch.bls, self.work.gen_len, self.work.num_prompts
+        if N is None:
+            return bls * n / block_latency
+        blocks = -(-N // bls)
+        return N * n / (blocks * block_latency)

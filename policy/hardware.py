@@ -1,0 +1,237 @@
+"""Hardware profiles: the measured constants the cost model needs.
+
+Knows: the fields of a profile (memory sizes, link and disk bandwidths, GPU
+matmul and batched-matmul throughput at prefill and decode shapes, CPU
+attention and dequantization rates), two presets (`flexgen-t4`, the constants
+FlexGen fitted for its T4 machine, and `h200`, from the device's measured
+constants), measuring one on this machine in under a minute, and caching it
+as JSON in the user cache folder, keyed by machine.
+Does not know: models or policies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, Callable
+
+import psutil
+import torch
+
+from flexoff.errors import FlexoffError
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    device: str  # the compute device: "cuda", or "cpu" on a machine without a GPU
+    gpu_mem: float  # bytes of the compute device's memory
+    cpu_mem: float  # bytes of host memory
+    disk_mem: float  # bytes free where offloaded files go
+    ctog_bdw: float  # bytes/s host -> device (pinned)
+    gtoc_bdw_cache: float  # bytes/s device -> host, KV cache
+    gtoc_bdw_hidden: float  # bytes/s device -> host, activations
+    dtoc_bdw: float  # bytes/s disk -> host
+    ctod_bdw_cache: float  # bytes/s host -> disk, KV cache
+    ctod_bdw_hidden: float  # bytes/s host -> disk, activations
+    mm_flops_p: float  # FLOP/s of device matmuls at prefill shapes
+    mm_flops_g: float  # ... at decode shapes
+    bmm_flops_p: float  # FLOP/s of device batched matmuls (attention) at prefill shapes
+    bmm_flops_g: float  # ... at decode shapes
+    cpu_flops: float  # FLOP/s of CPU attention (FlexGen's constant)
+    cpu_attn_bdw: float  # bytes/s of KV cache that CPU attention reads
+    dequant_bdw: float  # bytes/s of dense output of 4-bit dequantization on the device
+    cpu_dequant_bdw: float  # ... on the CPU (CPU attention over a compressed cache)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Hardware":
+        known = {f.name for f in fields(cls)}
+        missing = sorted(known - set(d))
+        if missing:
+            raise FlexoffError(f"hardware profile lacks {', '.join(missing)}; run `flexoff profile` again")
+        return cls(**{k: d[k] for k in known})
+
+
+def flexgen_t4() -> Hardware:
+    """FlexGen's fitted T4 constants (16 GB GPU, 208 GB CPU, 1.5 TB disk). FlexGen prices CPU
+    attention by FLOPs; its fp16 KV cache is one byte per FLOP of attention, so cpu_attn_bdw equals
+    cpu_flops. FlexGen gives no dequantization rate; ours is an estimate for the T4 (a third of its
+    320 GB/s memory bandwidth)."""
+    return Hardware("flexgen-t4", "cuda", gpu_mem=16 * GB, cpu_mem=208 * GB, disk_mem=1.5e12,
+                    ctog_bdw=12.89 * GB, gtoc_bdw_cache=0.97 * GB, gtoc_bdw_hidden=4.82 * GB,
+                    dtoc_bdw=0.473 * GB, ctod_bdw_cache=0.746 * GB, ctod_bdw_hidden=2.015 * GB,
+                    mm_flops_p=21.24e12, mm_flops_g=4.3e12, bmm_flops_p=9.97e12, bmm_flops_g=0.079e12,
+                    cpu_flops=0.0123e12, cpu_attn_bdw=0.0123e12, dequant_bdw=100 * GB, cpu_dequant_bdw=2 * GB)
+
+
+def h200() -> Hardware:
+    """The H200 device machine, from ../shared/hardware/nvidia-h200.json (decode matmul from its
+    64-row GEMM; decode attention is bound by HBM bandwidth, one FLOP per byte of fp16 cache)."""
+    return Hardware("h200", "cuda", gpu_mem=139.8 * 2**30, cpu_mem=125.9 * 2**30, disk_mem=66.5 * GB,
+                    ctog_bdw=55.5 * GB, gtoc_bdw_cache=55.4 * GB, gtoc_bdw_hidden=55.4 * GB,
+                    dtoc_bdw=2.43 * GB, ctod_bdw_cache=1.58 * GB, ctod_bdw_hidden=1.58 * GB,
+                    mm_flops_p=758e12, mm_flops_g=257e12, bmm_flops_p=300e12, bmm_flops_g=4.2e12,
+                    cpu_flops=1.35e12, cpu_attn_bdw=139.8 * GB, dequant_bdw=1500 * GB, cpu_dequant_bdw=10 * GB)
+
+
+PRESETS: dict[str, Callable[[], Hardware]] = {"flexgen-t4": flexgen_t4, "h200": h200}
+
+
+def machine_key() -> str:
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+    raw = f"{platform.node()}|{platform.machine()}|{os.cpu_count()}|{gpu}|{torch.__version__}"
+    return hashlib.sha1(raw.encode()).hexdigest()[:12]
+
+
+def cache_path() -> Path:
+    from flexoff.checkpoint import cache_dir
+
+    return cache_dir() / "hardware" / f"{machine_key()}.json"
+
+
+def load(name_or_path: str | None, offload_dir: str | None = None, log: Callable[[str], None] | None = None) -> Hardware:
+    """A preset by name, a profile file, or (None) this machine's cached profile, measured if absent."""
+    if name_or_path in PRESETS:
+        return PRESETS[name_or_path]()
+    if name_or_path is not None:
+        try:
+            return Hardware.from_dict(json.loads(Path(name_or_path).read_text()))
+        except OSError as e:
+            raise FlexoffError(f"cannot read hardware profile {name_or_path}: {e.strerror}; "
+                               f"presets: {', '.join(PRESETS)}") from None
+        except json.JSONDecodeError as e:
+            raise FlexoffError(f"hardware profile {name_or_path} is not valid JSON: {e.msg}") from None
+    path = cache_path()
+    if path.exists():
+        return Hardware.from_dict(json.loads(path.read_text()))
+    if log:
+        log("measuring this machine once (flexoff profile); cached in " + str(path))
+    hw = measure(offload_dir)
+    save(hw, path)
+    return hw
+
+
+def save(hw: Hardware, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(hw.to_json() + "\n")
+    tmp.replace(path)
+
+
+# ---- measuring -------------------------------------------------------------
+def _timed(fn: Callable[[], Any], sync: Callable[[], None], repeat: int = 5) -> float:
+    """Median seconds of fn after a warm-up."""
+    fn()
+    sync()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def measure(offload_dir: str | None = None, size: int = 512 << 20) -> Hardware:
+    """Measure this machine. On a CPU-only machine the compute device is the CPU."""
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    dtype = torch.float16 if cuda else torch.float32
+    sync = (lambda: torch.cuda.synchronize()) if cuda else (lambda: None)
+    if not cuda:
+        size = min(size, 128 << 20)
+    host = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
+    devbuf = torch.empty(size, dtype=torch.uint8, device=dev)
+    host.fill_(1)
+    devbuf.fill_(2)
+    ctog = size / _timed(lambda: devbuf.copy_(host, non_blocking=True), sync)
+    gtoc = size / _timed(lambda: host.copy_(devbuf, non_blocking=True), sync)
+    dread, dwrite = _disk(offload_dir, host[: min(size, 256 << 20)])
+
+    def mm(m: int, k: int, n: int) -> float:
+        a = torch.randn(m, k, device=dev, dtype=dtype)
+        b = torch.randn(k, n, device=dev, dtype=dtype)
+        return 2 * m * k * n / _timed(lambda: a @ b, sync)
+
+    def bmm(b: int, m: int, k: int, n: int) -> float:
+        x = torch.randn(b, m, k, device=dev, dtype=dtype)
+        y = torch.randn(b, k, n, device=dev, dtype=dtype)
+        return 2 * b * m * k * n / _timed(lambda: torch.bmm(x, y), sync)
+
+    h = 4096 if cuda else 1024
+    mm_p, mm_g = mm(2048, h, 4 * h), mm(32, h, 4 * h)
+    bmm_p, bmm_g = bmm(64, 512, 128, 512), bmm(1024, 1, 128, 1024)
+    cpu_attn, cpu_flops = _cpu_attention()
+    deq, cpu_deq = _dequant(dev)
+    disk_free = shutil.disk_usage(offload_dir or tempfile.gettempdir()).free
+    gpu_mem = torch.cuda.get_device_properties(0).total_memory if cuda else psutil.virtual_memory().total
+    return Hardware(f"measured:{platform.node()}", dev.type, gpu_mem=float(gpu_mem),
+                    cpu_mem=float(psutil.virtual_memory().total), disk_mem=float(disk_free),
+                    ctog_bdw=ctog, gtoc_bdw_cache=gtoc, gtoc_bdw_hidden=gtoc, dtoc_bdw=dread,
+                    ctod_bdw_cache=dwrite, ctod_bdw_hidden=dwrite, mm_flops_p=mm_p, mm_flops_g=mm_g,
+                    bmm_flops_p=bmm_p, bmm_flops_g=bmm_g, cpu_flops=cpu_flops, cpu_attn_bdw=cpu_attn,
+                    dequant_bdw=deq, cpu_dequant_bdw=cpu_deq)
+
+
+def _disk(offload_dir: str | None, buf: torch.Tensor) -> tuple[float, float]:
+    """Write then read a file in the offload folder, dropping it from the page cache between."""
+    root = Path(offload_dir or tempfile.gettempdir())
+    root.mkdir(parents=True, exist_ok=True)
+    fd, path = tempfile.mkstemp(prefix="flexoff-profile-", dir=root)
+    try:
+        view = memoryview(buf.numpy())
+        t0 = time.perf_counter()
+        os.pwrite(fd, view, 0)
+        os.fsync(fd)
+        write = len(view) / (time.perf_counter() - t0)
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        t0 = time.perf_counter()
+        os.preadv(fd, [view], 0)
+        read = len(view) / (time.perf_counter() - t0)
+        return read, write
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
+def _cpu_attention() -> tuple[float, float]:
+    """KV bytes/s and FLOP/s of decode attention on the CPU over a token-major cache."""
+    from flexoff.models.attention import attend
+
+    b, heads, d, s = 8, 32, 128, 512
+    dtype = torch.float16 if torch.cuda.is_available() else torch.float32
+    cache = torch.randn(s, b, 2, heads, d, dtype=dtype)  # the engine's layout
+    q = torch.randn(b, heads, 1, d, dtype=dtype)
+    k, v = cache[:, :, 0].permute(1, 2, 0, 3), cache[:, :, 1].permute(1, 2, 0, 3)
+    mask = torch.ones(b, 1, s, dtype=torch.bool)
+    t = _timed(lambda: attend(q, k, v, mask, d**-0.5), lambda: None, repeat=3)
+    return cache.numel() * cache.element_size() / t, 4 * b * heads * d * s / t
+
+
+def _dequant(dev: torch.device) -> tuple[float, float]:
+    """Dense bytes/s of 4-bit dequantization on the device and on the CPU."""
+    from flexoff.kernels.quant import dequantize_rows as fast
+    from flexoff.quant.format import QuantConfig, dequantize_rows, quantize
+
+    cfg = QuantConfig(4, 64)
+    out = []
+    for device, fn, rows in ((dev, fast, 8192), (torch.device("cpu"), dequantize_rows, 1024)):
+        c = quantize(torch.randn(rows, 4096, device=device), cfg)
+        dtype = torch.float16 if device.type == "cuda" else torch.float32
+        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        t = _timed(lambda: fn(c.data, c.scale, c.mn, cfg, dtype), sync, repeat=3)
+        out.append(rows * 4096 * dtype.itemsize / t)
+    return out[0], out[1]

@@ -1,0 +1,193 @@
+"""Policy search: FlexGen's two-level search (§4.3).
+
+Knows: the outer enumeration of batch shapes (gpu_batch_size, num_gpu_batches),
+compression and CPU-attention choices; for each, the LP over the nine placement
+fractions (PuLP with its bundled CBC) that minimizes block latency per sequence
+under the cost model's memory constraints (and an optional latency bound);
+rounding the LP solution to a runnable Policy (whole rows of cache and
+activations, weight percentages to a tenth); ranking by predicted job
+throughput.
+Does not know: the engine (flexoff.autopolicy re-checks the winner against the
+engine's own memory accounting).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import warnings
+from dataclasses import dataclass
+from typing import Iterable, Literal
+
+import pulp
+
+from flexoff.errors import MemoryBudgetError
+from flexoff.models.spec import ModelSpec
+from flexoff.policy.cost_model import KINDS, VARS, Choice, CostModel, Prediction, Workload
+from flexoff.policy.hardware import Hardware
+from flexoff.policy.policy import Policy
+
+GPU_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256)
+NUM_GPU_BATCHES = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32)
+Toggle = Literal["off", "on", "auto"]
+
+
+@dataclass
+class Candidate:
+    policy: Policy
+    prediction: Prediction
+
+
+@dataclass(frozen=True)
+class Budget:
+    gpu: float
+    cpu: float
+    disk: float
+
+    @classmethod
+    def of(cls, hw: Hardware, gpu: float | None = None, cpu: float | None = None,
+           disk: float | None = None) -> "Budget":
+        """The hardware's memory, lowered by any user budget."""
+        pick = lambda have, cap: have if cap is None else min(have, cap)  # noqa: E731
+        return cls(pick(hw.gpu_mem, gpu), pick(hw.cpu_mem, cpu), pick(hw.disk_mem, disk))
+
+
+def _choices(toggle: Toggle) -> tuple[bool, ...]:
+    return {"off": (False,), "on": (True,), "auto": (False, True)}[toggle]
+
+
+TRANSFERS = ("ctog", "gtoc", "dtoc", "ctod")
+
+
+def solve_lp(model: CostModel, budget: Budget, max_latency: float | None = None,
+             least_traffic: bool = False) -> tuple[dict[str, float], float] | None:
+    """The placement that minimizes block latency T (the objective is T / bls, the same
+    argmin for a fixed shape), and T; or None if nothing fits.
+
+    least_traffic: among placements with T within max_latency, the one that moves the
+    fewest bytes (used to break ties of the first solve deterministically)."""
+    prob = pulp.LpProblem("flexoff_policy", pulp.LpMinimize)
+    x = {v: _var(prob, v, 1) for v in VARS}
+    for a, b, c in (("wg", "wc", "wd"), ("cg", "cc", "cd"), ("hg", "hc", "hd")):
+        prob += x[a] + x[b] + x[c] == 1
+    n = model.work.gen_len
+    latency, traffic = 0, 0
+    for (stage, kind), terms in model.terms(x).items():
+        t = _var(prob, f"T_{stage}_{kind}", None)
+        if model.ch.overlap:
+            for name, expr in terms.items():
+                prob += t >= expr, f"{stage}_{kind}_{name}"
+        else:
+            prob += t >= pulp.lpSum(terms.values()), f"{stage}_{kind}_serial"
+        steps = model.count[kind] * (1 if stage == "p" else n - 1)
+        latency += steps * t
+        traffic += steps * pulp.lpSum(terms[k] for k in TRANSFERS)
+    prob += traffic if least_traffic else latency
+    for tier, expr in model.memory(x).items():
+        prob += expr <= getattr(budget, tier), f"mem_{tier}"
+    if max_latency is not None:
+        prob += latency <= max_latency
+    with warnings.catch_warnings():  # PuLP 3.x announces 4.0's API changes; its bundled CBC is what we use
+        warnings.simplefilter("ignore", DeprecationWarning)
+        prob.solve(pulp.PULP_CBC_CMD(msg=False))
+    if pulp.LpStatus[prob.status] != "Optimal":
+        return None
+    return {v: min(1.0, max(0.0, x[v].value() or 0.0)) for v in VARS}, float(pulp.value(latency))
+
+
+def _var(prob: pulp.LpProblem, name: str, upper: float | None) -> pulp.LpVariable:
+    if hasattr(prob, "add_variable"):  # PuLP >= 3.3
+        return prob.add_variable(name, 0, upper)
+    return pulp.LpVariable(name, 0, upper)
+
+
+def round_policy(x: dict[str, float], ch: Choice) -> tuple[Policy, dict[str, float]]:
+    """A runnable Policy near the LP solution (GPU shares rounded down), and its fractions."""
+    gbs, eps = ch.gpu_batch_size, 1e-6
+    wg = math.floor(x["wg"] * 1000 + eps) / 1000
+    wgc = 1.0 if x["wd"] < 1e-4 else math.floor((x["wg"] + x["wc"]) * 1000 + eps) / 1000
+
+    def rows(g: float, c: float, d: float) -> tuple[float, float]:
+        ng = math.floor(g * gbs + eps)
+        ngc = gbs if d < eps else max(ng, math.floor((g + c) * gbs + eps))
+        return ng / gbs, (ngc - ng) / gbs
+
+    cg, cc = rows(x["cg"], x["cc"], x["cd"])
+    hg, hc = rows(x["hg"], x["hc"], x["hd"])
+    frac = {"wg": wg, "wc": wgc - wg, "wd": 1 - wgc, "cg": cg, "cc": cc, "cd": 1 - cg - cc,
+            "hg": hg, "hc": hc, "hd": 1 - hg - hc}
+    p = Policy(gbs, ch.num_gpu_batches, round(wg * 100, 1), round((wgc - wg) * 100, 1),
+               cg * 100, cc * 100, hg * 100, hc * 100, ch.compress_weight, ch.compress_cache,
+               ch.cpu_cache_compute and cc > 0, ch.overlap, ch.quant_bits, ch.quant_group)
+    return p, frac
+
+
+def _fits(mem: dict[str, float], budget: Budget) -> bool:
+    return all(mem[t] <= getattr(budget, t) * (1 + 1e-9) for t in ("gpu", "cpu", "disk"))
+
+
+def search(spec: ModelSpec, hw: Hardware, work: Workload, budget: Budget, *,
+           compress_weight: Toggle = "off", compress_cache: Toggle = "off",
+           cpu_attention: Toggle = "auto", overlap: bool = True,
+           max_latency: float | None = None, objective: str = "throughput",
+           shapes: Iterable[tuple[int, int]] | None = None) -> list[Candidate]:
+    """All runnable candidates, best first. Raises MemoryBudgetError if none fits."""
+    if shapes is None:
+        cap = work.num_prompts or 1 << 30
+        shapes = [(g, b) for g, b in itertools.product(GPU_BATCH_SIZES, NUM_GPU_BATCHES)
+                  if g <= cap and g * b < 2 * cap]
+    out = []
+    L = sum(1 for l in spec.layers if l.kind == "attn")
+    total = budget.gpu + budget.cpu + budget.disk
+    seen = set()
+    for (gbs, nb), cw, cc, ca in itertools.product(shapes, _choices(compress_weight), _choices(compress_cache),
+                                                  _choices(cpu_attention)):
+        ch = Choice(gbs, nb, cw, cc, ca, overlap)
+        model = CostModel(spec, hw, work, ch)
+        if model.kv * ch.bls * (work.prompt_len + work.gen_len) * L > total:
+            continue  # the cache alone fits nowhere
+        sol = solve_lp(model, budget, max_latency)
+        if sol is None:
+            continue
+        cand = _candidate(model, sol[0], budget, max_latency)
+        if cand is not None and cand.policy not in seen:
+            seen.add(cand.policy)
+            out.append((cand, model, sol[1]))
+    if not out:
+        raise MemoryBudgetError(_infeasible_message(spec, hw, work, budget, compress_weight, compress_cache))
+    key = (lambda c: -c.prediction.throughput) if objective == "throughput" else (lambda c: c.prediction.latency)
+    out.sort(key=lambda t: key(t[0]))
+    ranked = []
+    for n, (cand, model, best) in enumerate(out):
+        if n < REFINE:  # the same latency with the least traffic: a deterministic choice among ties
+            sol = solve_lp(model, budget, best * (1 + 1e-6), least_traffic=True)
+            tied = _candidate(model, sol[0], budget, max_latency) if sol else None
+            if tied is not None and key(tied) <= key(cand) + 1e-9 * abs(key(cand)) and tied.policy not in seen:
+                cand = tied
+        ranked.append(cand)
+    return sorted(ranked, key=key)
+
+
+REFINE = 8  # top candidates whose ties are broken by a second LP
+
+
+def _candidate(model: CostModel, x: dict[str, float], budget: Budget, max_latency: float | None) -> Candidate | None:
+    policy, frac = round_policy(x, model.ch)
+    pred = model.evaluate(frac)
+    if not _fits(pred.memory, budget) or (max_latency is not None and pred.latency > max_latency * 1.001):
+        return None
+    return Candidate(policy, pred)
+
+
+def _infeasible_message(spec: ModelSpec, hw: Hardware, work: Workload, budget: Budget,
+                        compress_weight: Toggle, compress_cache: Toggle) -> str:
+    """What would fit: the smallest budgets of the smallest runnable policy (batch 1, all on disk
+    but the GPU's working set)."""
+    compression = "off" if compress_weight == compress_cache == "off" else "on"
+    model = CostModel(spec, hw, work, Choice(1, 1, compress_weight != "off", compress_cache != "off", False))
+    need = model.memory({"wg": 0, "wc": 0, "wd": 1, "cg": 0, "cc": 0, "cd": 1, "hg": 1, "hc": 0, "hd": 0})
+    gib = 2**30
+    return (f"no policy fits: even a batch of one with everything on disk needs {need['gpu'] / gib:.2f} GiB "
+            f"of GPU memory and {need['disk'] / gib:.2f} GiB of disk (have {budget.gpu / gib:.2f} GiB GPU, "
+            f"{budget.cpu / gib:.2f} GiB CPU, {budget.disk / gib:.2f} GiB disk); raise the budgets"
+            + (" or allow compression" if compression == "off" else ""))

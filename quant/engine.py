@@ -1,0 +1,133 @@
+"""Compression as transforms the engine applies: a compressed weight format and KV codec.
+
+Knows: how a layer's matmul weights are stored compressed (three fields per
+weight: packed codes, scale, minimum) and rebuilt as QWeight objects whose
+`linear` runs the fused kernel at decode shapes and dequantize-then-matmul
+otherwise; how KV records are quantized when stored and dequantized for
+attention; which format and codec a Policy asks for.
+Does not know: placement or scheduling; model files never see any of this
+(they call `linear`, which QWeight implements).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from flexoff.kernels.quant import dequantize_rows, qmatmul, quantize_rows
+from flexoff.models.base import LayerSpec
+from flexoff.models.spec import ModelSpec
+from flexoff.offload.kvcache import PlainKV
+from flexoff.offload.layout import PlainFormat
+from flexoff.policy.policy import Policy
+from flexoff.quant.format import QuantConfig, from_rows, part_shapes, quantize, to_rows
+from flexoff.quant.sizes import compresses, kv_config, kv_record_bytes, weight_config
+
+PARTS = ("data", "scale", "mn")
+PART_DTYPES = {"data": torch.uint8, "scale": torch.float16, "mn": torch.float16}
+
+
+class QWeight:
+    """A compressed Linear weight (out, in), stored as `in` rows grouped along `out`."""
+
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, shape: tuple[int, int],
+                 dtype: torch.dtype, cfg: QuantConfig):
+        self.data, self.scale, self.mn, self.shape, self.dtype, self.cfg = data, scale, mn, shape, dtype, cfg
+
+    def dense(self) -> torch.Tensor:
+        rows = dequantize_rows(self.data, self.scale, self.mn, self.cfg, self.dtype)  # (in, out padded)
+        return from_rows(rows, self.shape, self.cfg)
+
+    def linear(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = qmatmul(x.reshape(-1, x.shape[-1]), self.data, self.scale, self.mn, self.cfg, self.shape[0])
+        y = y.view(*lead, self.shape[0])
+        return y + b if b is not None else y
+
+
+class CompressedFormat:
+    """Matmul weights compressed group-wise along their output channels; the rest as is."""
+
+    def __init__(self, dtype: torch.dtype, bits: int, group: int):
+        self.dtype, self.cfg = dtype, weight_config(bits, group)
+
+    def fields(self, layer: LayerSpec) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        out = []
+        for t in layer.tensors:
+            if compresses(t):
+                out += [(f"{t.name}:{p}", PART_DTYPES[p], shape) for p, shape in part_shapes(t.shape, self.cfg).items()]
+            else:
+                out.append((t.name, self.dtype, t.shape))
+        return out
+
+    def encode(self, layer: LayerSpec, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {}
+        for t in layer.tensors:
+            x = tensors[t.name]
+            if compresses(t):
+                c = quantize(x, self.cfg)
+                out.update({f"{t.name}:data": c.data, f"{t.name}:scale": c.scale, f"{t.name}:mn": c.mn})
+            else:
+                out[t.name] = x.to(self.dtype)
+        return out
+
+    def assemble(self, layer: LayerSpec, views: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for t in layer.tensors:
+            if compresses(t):
+                out[t.name] = QWeight(*(views[f"{t.name}:{p}"] for p in PARTS), t.shape, self.dtype, self.cfg)
+            else:
+                out[t.name] = views[t.name]
+        return out
+
+
+class QuantKV:
+    """KV records quantized along the head dimension: (2, kv_heads) rows of codes, then their
+    scales, then their minimums, all bytes of one token of one sequence."""
+
+    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, bits: int, group: int):
+        self.kvh, self.hd, self.dtype = kv_heads, head_dim, dtype
+        self.cfg = kv_config(bits, group, head_dim)
+        self.rec_bytes = kv_record_bytes(kv_heads, head_dim, dtype.itemsize, self.cfg)
+        shapes = part_shapes((head_dim,), self.cfg)
+        self.sizes = {p: 2 * kv_heads * shapes[p][1] * PART_DTYPES[p].itemsize for p in PARTS}
+
+    def encode(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Records of k, v (rows, kv_heads, s, head_dim) as contiguous (s, rows, rec) bytes."""
+        x = torch.stack((k, v), dim=0).permute(3, 1, 0, 2, 4)  # (s, rows, 2, kvh, d)
+        s, rows = x.shape[:2]
+        parts = quantize_rows(to_rows(x, self.cfg), self.cfg)  # rows of (s * rows * 2 * kvh)
+        raw = [p.reshape(s, rows, -1).view(torch.uint8) for p in parts]
+        return torch.cat(raw, dim=-1)
+
+    def write(self, buf: torch.Tensor, rows: int, t: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        enc = self.encode(k, v)
+        s = enc.shape[0]
+        buf[t * rows * self.rec_bytes:(t + s) * rows * self.rec_bytes].view(s, rows, self.rec_bytes).copy_(enc)
+
+    def roundtrip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k and v (rows, kv_heads, s, head_dim) as a read of the cache returns them."""
+        enc = self.encode(k, v)
+        k2, v2 = self.read(enc.reshape(-1), enc.shape[1], enc.shape[0])
+        return k2, v2
+
+    def read(self, buf: torch.Tensor, rows: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized keys and values of tokens 0 .. t: (rows, kv_heads, t, head_dim) each."""
+        recs = buf[:t * rows * self.rec_bytes].view(t, rows, self.rec_bytes)
+        parts, off = [], 0
+        for p in PARTS:
+            raw = recs[:, :, off:off + self.sizes[p]]
+            off += self.sizes[p]
+            parts.append(raw.reshape(t * rows * 2 * self.kvh, -1).view(PART_DTYPES[p]))
+        x = dequantize_rows(*parts, self.cfg, self.dtype)[:, :self.hd].view(t, rows, 2, self.kvh, self.hd)
+        return x[:, :, 0].permute(1, 2, 0, 3), x[:, :, 1].permute(1, 2, 0, 3)
+
+
+def formats(policy: Policy, spec: ModelSpec, dtype: torch.dtype) -> tuple[Any, Any]:
+    """The weight format and KV codec a policy asks for."""
+    fmt = CompressedFormat(dtype, policy.quant_bits, policy.quant_group) if policy.compress_weight \
+        else PlainFormat(dtype)
+    codec = QuantKV(spec.num_kv_heads, spec.head_dim, dtype, policy.quant_bits, policy.quant_group) \
+        if policy.compress_cache else PlainKV(spec.num_kv_heads, spec.head_dim, dtype)
+    return fmt, codec

@@ -1,0 +1,65 @@
+"""Triton kernels against their torch references (on the CPU via TRITON_INTERPRET=1)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flexoff.kernels import quant as K
+from flexoff.quant.format import QuantConfig, dequantize_rows, quantize_rows, to_rows
+
+pytestmark = pytest.mark.skipif(not K.HAVE_TRITON, reason="triton is not installed")
+
+
+def packed(rows: int, n: int, cfg: QuantConfig, stride_pad: int = 0):
+    """Quantized random rows; with stride_pad, as views into wider buffers (strided rows)."""
+    x = torch.randn(rows, n) * 2 - 0.5
+    d, s, m = quantize_rows(to_rows(x, cfg), cfg)  # rows padded to whole groups
+    if stride_pad:
+        def strided(t):
+            big = torch.zeros(t.shape[0], t.shape[1] + stride_pad, dtype=t.dtype)
+            big[:, :t.shape[1]] = t
+            return big[:, :t.shape[1]]
+        d, s, m = strided(d), strided(s), strided(m)
+    return d, s, m
+
+
+@pytest.mark.parametrize("rows,n,bits,group,pad", [
+    (1, 64, 4, 64, 0), (37, 384, 4, 64, 3), (130, 96, 4, 6, 0), (5, 256, 8, 32, 7), (9, 1000, 4, 10, 1),
+])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_dequantize_equals_reference(rows, n, bits, group, pad, dtype):
+    cfg = QuantConfig(bits, group)
+    d, s, m = packed(rows, n, cfg, pad)
+    assert torch.equal(K.dequantize_rows_triton(d, s, m, cfg, dtype), dequantize_rows(d, s, m, cfg, dtype))
+
+
+@pytest.mark.parametrize("rows,n,bits,group", [(1, 64, 4, 64), (33, 256, 4, 64), (7, 128, 4, 16), (20, 64, 8, 32)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_quantize_equals_reference(rows, n, bits, group, dtype):
+    cfg = QuantConfig(bits, group)
+    x = (torch.randn(rows, n) * 3).to(dtype)
+    x[0, :group] = 1.5  # a constant group
+    got = K.quantize_rows_triton(x, cfg)
+    want = quantize_rows(x.float(), cfg)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("m,k,n,group", [(1, 64, 64, 64), (3, 97, 130, 64), (16, 128, 200, 8), (40, 70, 64, 32)])
+def test_fused_qmatmul_matches_dequantize_then_matmul(m, k, n, group):
+    cfg = QuantConfig(4, group)
+    d, s, mn = packed(k, n, cfg)
+    x = torch.randn(m, k, dtype=torch.float16)
+    got = K.qmatmul_triton(x, d, s, mn, cfg, n).double()
+    want = (x.double() @ dequantize_rows(d, s, mn, cfg, torch.float16).double()[:, :n])
+    assert got.shape == (m, n)
+    assert ((got - want).norm() / want.norm()) < 2e-3  # float16 operands, float32 accumulation
+
+
+def test_dispatch_uses_references_off_cuda():
+    cfg = QuantConfig()
+    d, s, m = packed(4, 128, cfg)
+    assert torch.equal(K.dequantize_rows(d, s, m, cfg, torch.float32), dequantize_rows(d, s, m, cfg, torch.float32))
+    x = torch.randn(2, 4)
+    assert torch.equal(K.qmatmul(x, d, s, m, cfg, 100), x @ dequantize_rows(d, s, m, cfg, torch.float32)[:, :100])

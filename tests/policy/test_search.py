@@ -1,0 +1,127 @@
+"""The cost model and LP search: FlexGen's T4 setting, LP optimality, infeasible budgets."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from flexoff.checkpoint import load_model
+from flexoff.cli import main
+from flexoff.errors import MemoryBudgetError
+from flexoff.policy.cost_model import VARS, Choice, CostModel, Workload
+from flexoff.policy.hardware import flexgen_t4, h200
+from flexoff.policy.search import Budget, search, solve_lp
+
+T4 = flexgen_t4()
+W512 = Workload(512, 32)
+
+
+def spec(name: str):
+    return load_model(f"dummy:{name}").spec
+
+
+def test_opt_30b_on_t4_matches_table_15_shape():
+    """Paper: 48x3 (20, 80, 0, 100, 0, 100): weights and cache on the CPU, block of 144."""
+    best = search(spec("opt-30b"), T4, W512, Budget.of(T4))[0].policy
+    assert best.w_disk_percent == 0 and best.w_cpu_percent >= 75  # weights: CPU (and a little GPU)
+    assert best.cache_disk_percent == 0 and best.cache_cpu_percent >= 75  # cache: CPU
+    assert 64 <= best.block_size <= 512  # block size in the paper's range
+
+
+def test_opt_175b_on_t4_matches_table_15_shape():
+    """Paper: 32x8 (0, 50, 0, 0, 0, 100): weights half CPU half disk, cache on disk, activations CPU."""
+    best = search(spec("opt-175b"), T4, W512, Budget.of(T4))[0].policy
+    assert best.w_gpu_percent <= 5 and 40 <= best.w_cpu_percent <= 70 and best.w_disk_percent >= 30
+    assert best.cache_disk_percent >= 90
+    assert best.act_cpu_percent >= 90
+    assert 128 <= best.block_size <= 1024
+
+
+def _grid(step: float = 0.25):
+    vals = [i * step for i in range(int(1 / step) + 1)]
+    for wg, wc, cg, cc, hg, hc in itertools.product(vals, repeat=6):
+        if wg + wc <= 1 and cg + cc <= 1 and hg + hc <= 1:
+            yield {"wg": wg, "wc": wc, "wd": 1 - wg - wc, "cg": cg, "cc": cc, "cd": 1 - cg - cc,
+                   "hg": hg, "hc": hc, "hd": 1 - hg - hc}
+
+
+@pytest.mark.parametrize("gbs,nb,cpu_attn", [(8, 4, False), (32, 2, True), (2, 1, True)])
+def test_lp_optimum_is_never_worse_than_a_grid_point(gbs, nb, cpu_attn):
+    s, hw = spec("opt-6.7b"), T4
+    model = CostModel(s, hw, W512, Choice(gbs, nb, cpu_cache_compute=cpu_attn))
+    budget = Budget(8e9, 40e9, 1e12)
+    x, latency = solve_lp(model, budget)
+    lp = model.evaluate(x)
+    assert lp.latency == pytest.approx(latency, rel=1e-6)
+    checked = 0
+    for point in _grid():
+        mem = model.memory(point)
+        if all(mem[t] <= getattr(budget, t) for t in mem):
+            assert lp.latency <= model.evaluate(point).latency * (1 + 1e-7)
+            checked += 1
+    assert checked > 100
+
+
+def test_overlap_off_costs_the_sum_of_terms():
+    s = spec("opt-6.7b")
+    x = {"wg": 0.2, "wc": 0.8, "wd": 0, "cg": 0, "cc": 1, "cd": 0, "hg": 1, "hc": 0, "hd": 0}
+    on = CostModel(s, T4, W512, Choice(8, 2)).evaluate(x)
+    off = CostModel(s, T4, W512, Choice(8, 2, overlap=False)).evaluate(x)
+    for key, terms in on.terms.items():
+        assert off.terms[key] == terms
+    assert off.latency > on.latency
+
+
+def test_compression_shrinks_bytes_and_is_priced():
+    s = spec("opt-30b")
+    plain = CostModel(s, T4, W512, Choice(16, 4))
+    comp = CostModel(s, T4, W512, Choice(16, 4, compress_weight=True, compress_cache=True))
+    assert 0.25 < comp.W["mlp"] / plain.W["mlp"] < 0.3
+    assert 0.25 < comp.kv / plain.kv < 0.3
+    x = {"wg": 1, "wc": 0, "wd": 0, "cg": 1, "cc": 0, "cd": 0, "hg": 1, "hc": 0, "hd": 0}
+    assert comp.terms(x)[("g", "mlp")]["comp"] > plain.terms(x)[("g", "mlp")]["comp"]  # dequantization
+
+
+def test_max_latency_is_respected():
+    s = spec("opt-6.7b")
+    free = search(s, h200(), W512, Budget.of(h200(), gpu=8 * 2**30))[0].prediction
+    bound = free.latency / 4
+    capped = search(s, h200(), W512, Budget.of(h200(), gpu=8 * 2**30), max_latency=bound)
+    assert all(c.prediction.latency <= bound * 1.001 for c in capped)
+
+
+def test_infeasible_budget_is_exit_2(capsys):
+    code = main(["policy", "search", "--model", "dummy:opt-175b", "--prompt-len", "512", "--gen-len", "32",
+                 "--hardware", "h200", "--gpu-mem", "1GiB", "--disk-mem", "10GiB", "--cpu-mem", "10GiB"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "no policy fits" in err and "GiB of GPU memory" in err and len(err.splitlines()) == 1
+
+
+def test_policy_search_cli_writes_a_runnable_policy(tmp_path, capsys):
+    out = tmp_path / "p.json"
+    assert main(["policy", "search", "--model", "dummy:opt-30b", "--prompt-len", "512", "--gen-len", "32",
+                 "--hardware", "flexgen-t4", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    for word in ("policy", "prefill", "decode", "throughput", "bottleneck", "runners-up"):
+        assert word in text
+    from flexoff.policy.policy import Policy
+
+    assert Policy.load(out).block_size >= 64
+
+
+def test_auto_policy_runs_the_job(tiny, tiny_refs, tmp_path):
+    from flexoff import LLM
+    from flexoff.policy.hardware import save
+    from reference import PROMPTS
+
+    hw = h200()
+    profile = tmp_path / "hw.json"
+    save(hw.__class__(**{**hw.__dict__, "device": "cpu", "name": "test"}), profile)
+    s = load_model(str(tiny["llama"].path)).spec
+    gpu_mem = s.weight_bytes(4) // 2 + s.working_bytes(len(PROMPTS), 15, 4, "cpu")  # half the weights fit
+    with LLM(str(tiny["llama"].path), policy="auto", hardware=str(profile), gpu_mem=gpu_mem,
+             cpu_mem=1 << 30) as llm:
+        out = llm.generate([{"prompt_ids": p} for p in PROMPTS], max_new_tokens=8)
+        assert out.policy.w_gpu_percent < 100  # a 1 MiB "GPU" cannot hold the weights
+    assert [c.token_ids for c in out.completions] == [r for r, _ in tiny_refs["llama"]]

@@ -1,0 +1,115 @@
+"""Compression inside the engine: against transformers on fake-quantized weights, under the
+policy matrix, and perplexity against plain torch fake-quantization references."""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from flexoff import LLM, Policy
+from flexoff.quant import QuantConfig, dequantize, quantize
+from flexoff.ppl import perplexity
+from policy_matrix import pairwise
+from reference import PROMPTS, hf_greedy
+
+TEXT = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "lighthouse.txt"
+LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "out_proj", "fc1", "fc2", "gate_proj", "up_proj",
+          "down_proj", "lm_head")
+
+
+@pytest.mark.parametrize("name", ["opt", "llama", "qwen2"])
+def test_compressed_weights_equal_transformers_on_the_same_values(tiny, name):
+    hf = copy.deepcopy(tiny[name].hf)
+    cfg = QuantConfig(4, 64, dim=0)  # output channels, as flexoff stores weights
+    with torch.no_grad():
+        if hf.config.tie_word_embeddings:  # flexoff compresses the head, not the embedding table
+            hf.lm_head.weight = torch.nn.Parameter(hf.lm_head.weight.clone())
+        for n, mod in hf.named_modules():
+            if isinstance(mod, torch.nn.Linear) and n.split(".")[-1] in LINEAR:
+                mod.weight.copy_(dequantize(quantize(mod.weight, cfg)))
+    want = [hf_greedy(hf, p, 8)[0] for p in PROMPTS]
+    with LLM(str(tiny[name].path), policy=Policy(gpu_batch_size=5, compress_weight=True)) as llm:
+        got = [c.token_ids for c in llm.generate([{"prompt_ids": p} for p in PROMPTS], max_new_tokens=8).completions]
+    assert got == want
+
+
+def test_compression_is_deterministic_under_every_placement(tiny):
+    with LLM(str(tiny["llama"].path)) as llm:
+        for p in pairwise():
+            llm.policy_arg = p.replace(compress_weight=True, compress_cache=True, quant_group=16)
+            runs = [[c.token_ids for c in llm.generate([{"prompt_ids": q} for q in PROMPTS],
+                                                        max_new_tokens=6).completions] for _ in range(2)]
+            assert runs[0] == runs[1] and all(len(t) == 6 for t in runs[0]), p.describe()
+
+
+def fake_quant(x: torch.Tensor, group: int, dim: int) -> torch.Tensor:
+    """A plain float32 fake quantization: 4-bit, asymmetric, groups along dim."""
+    y = x.float().movedim(dim, -1)
+    g = y.reshape(*y.shape[:-1], -1, group)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    scale = ((hi - lo) / 15).clamp(min=1e-12)
+    q = ((g - lo) / scale).round().clamp(0, 15)
+    return (q * scale + lo).reshape(y.shape).movedim(-1, dim).to(x.dtype)
+
+
+def hf_ppl(model, ids: list[int], window: int = 512) -> float:
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(ids), window):
+            w = torch.tensor([ids[i:i + window]])
+            if w.shape[1] < 2:
+                continue
+            lp = model(w).logits[0, :-1].double().log_softmax(-1)
+            nll -= float(lp.gather(-1, w[0, 1:, None]).sum())
+            count += w.shape[1] - 1
+    return math.exp(nll / count)
+
+
+@pytest.fixture(scope="module")
+def smol_ppl(smol):
+    smol.close()
+    text = TEXT.read_text()
+    out = {}
+    for mode, pol in {"dense": Policy(gpu_batch_size=8), "weights": Policy(gpu_batch_size=8, compress_weight=True),
+                      "cache": Policy(gpu_batch_size=8, compress_cache=True)}.items():
+        smol.policy_arg = pol
+        out[mode] = perplexity(smol, text)
+    smol.policy_arg = None
+    smol.close()
+    return out, smol.tokenizer.encode(text)
+
+
+def test_perplexity_equals_transformers(smol_ppl, smol_hf):
+    ours, ids = smol_ppl
+    assert ours["dense"].tokens == len(ids) - math.ceil(len(ids) / 512) and ours["dense"].window == 512
+    assert ours["dense"].value == pytest.approx(hf_ppl(smol_hf, ids), rel=1e-4)
+
+
+def test_compressed_perplexity_within_2_percent_of_fake_quantization(smol_ppl, smol_hf):
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    ours, ids = smol_ppl
+    hf = copy.deepcopy(smol_hf)
+    hf.lm_head.weight = torch.nn.Parameter(hf.lm_head.weight.clone())
+    with torch.no_grad():
+        for n, mod in hf.named_modules():
+            if isinstance(mod, torch.nn.Linear):
+                mod.weight.copy_(fake_quant(mod.weight, 64, 0))
+    ref_weights = hf_ppl(hf, ids)
+
+    def fq_attention(module, q, k, v, mask, **kw):  # keys after RoPE, values, along the head dim
+        return sdpa_attention_forward(module, q, fake_quant(k, 64, -1), fake_quant(v, 64, -1), mask, **kw)
+
+    AttentionInterface.register("flexoff_test_fq", fq_attention)
+    kvq = copy.deepcopy(smol_hf)
+    kvq.set_attn_implementation("flexoff_test_fq")
+    ref_cache = hf_ppl(kvq, ids)
+    dense = ours["dense"].value
+    assert ref_cache > dense * 1.02 and ref_weights > dense * 1.02  # both references really degrade
+    assert ours["cache"].value == pytest.approx(ref_cache, rel=0.02)
+    assert ours["weights"].value == pytest.approx(ref_weights, rel=0.02)
