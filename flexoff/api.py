@@ -20,7 +20,7 @@ from flexoff.checkpoint import LoadedModel, load_model
 from flexoff.errors import FlexoffError, InputError
 from flexoff.generation import Completion, Request, RunStats, plan_blocks, run_block
 from flexoff.offload.engine import Engine
-from flexoff.offload.tiers import Budgets
+from flexoff.offload.tiers import Budgets, Tiers
 from flexoff.policy.policy import Policy
 from flexoff.sampling import SamplingParams
 
@@ -81,7 +81,8 @@ class LLM:
         self.model: LoadedModel = load_model(model, allow_pickle)
         self.policy_arg = policy
         self.options = EngineOptions(offload_dir, Budgets(gpu_mem, cpu_mem, disk_mem))
-        if gpu_mem is not None and self.device.type == "cuda":
+        self._capped = gpu_mem is not None and self.device.type == "cuda"
+        if self._capped:  # the allocator itself refuses more than the budget
             total = torch.cuda.get_device_properties(self.device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_mem / total), self.device)
         self.seed = seed
@@ -90,6 +91,8 @@ class LLM:
         self.last_policy: Policy | None = None
         self.compression = compression  # what --policy auto may use: off / on / auto, weights and cache
         self.engine: Engine | None = None
+        self.tiers: Tiers | None = None  # outlive engines, with the resident weights
+        self.weights: Any = None  # the WeightStore the current engine uses
 
     @property
     def tokenizer(self):
@@ -168,31 +171,69 @@ class LLM:
         return Policy.load(p)
 
     def engine_for(self, policy: Policy, max_prompt: int, max_gen: int) -> Engine:
+        """An engine for this policy and these sizes. Weights stay resident between engines:
+        kept as they are when the new policy places them the same way, otherwise moved layer by
+        layer to the new placement (never two full copies), and read from the checkpoint once."""
+        from flexoff.quant.engine import formats
+
         e = self.engine
         if e is not None and e.policy == policy and e.max_prompt >= max_prompt and e.max_gen >= max_gen:
             return e
-        self.close()
-        from flexoff.quant.engine import formats
-
+        if e is not None:
+            e.close()
+            self.engine = None
         m = self.model
         fmt, codec = formats(policy, m.spec, self.dtype)
-        self.engine = Engine(m.family, m.spec, policy, device=self.device, dtype=self.dtype,
-                             max_prompt=max_prompt, max_gen=max_gen, offload_dir=self.options.offload_dir,
-                             budgets=self.options.budgets, weight_format=fmt, kv_codec=codec)
-        src_dev = self.device if m.name.startswith("dummy:") else torch.device("cpu")
-        layers = tqdm(enumerate(m.spec.layers), total=len(m.spec.layers), desc="loading weights",
-                      unit="layer", disable=not self.progress, leave=False)
-        try:
-            self.engine.load_weights((j, m.source.layer(j, l, self.dtype, src_dev)) for j, l in layers)
-        except BaseException:
-            self.close()
-            raise
-        return self.engine
+        if self.tiers is None:
+            self.tiers = Tiers(self.device, self.options.offload_dir)
+        old = self.weights
+        reuse = old is not None and old.matches(fmt, policy)
+        engine = Engine(m.family, m.spec, policy, device=self.device, dtype=self.dtype,
+                        max_prompt=max_prompt, max_gen=max_gen, offload_dir=self.options.offload_dir,
+                        budgets=self.options.budgets, weight_format=fmt, kv_codec=codec, tiers=self.tiers,
+                        weights=old if reuse else None, credit=old.mem.held() if old is not None else None)
+        if not reuse:
+            try:
+                self._place_weights(engine.detach_weights(), old)
+            except BaseException:
+                engine.close()
+                self.close()
+                raise
+        self.engine = engine
+        return engine
+
+    def _place_weights(self, new: Any, old: Any) -> None:
+        m = self.model
+        self.weights = new
+        if old is not None and old.fmt.key != new.fmt.key and old.fmt.key[0] != "plain":
+            old.release()  # compressed weights cannot become exact ones: read the checkpoint again
+            old = None
+        src_dev = self.device if (old is not None or m.name.startswith("dummy:")) else torch.device("cpu")
+        layers = tqdm(enumerate(m.spec.layers), total=len(m.spec.layers), unit="layer", leave=False,
+                      desc="loading weights" if old is None else "moving weights", disable=not self.progress)
+        same = old is not None and old.fmt.key == new.fmt.key
+        for j, layer in layers:
+            if old is not None:
+                new.fill(j, old.take(j, encoded=same, device=src_dev), encoded=same)
+            else:
+                new.fill(j, m.source.layer(j, layer, self.dtype, src_dev))
+        if old is not None:
+            old.release()
 
     def close(self) -> None:
+        """Give back every buffer: the engine's, the weights', the offload folder."""
         if self.engine is not None:
             self.engine.close()
             self.engine = None
+        if self.weights is not None:
+            self.weights.release()
+            self.weights = None
+        if self.tiers is not None:
+            self.tiers.close()
+            self.tiers = None
+        if getattr(self, "_capped", False):
+            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+            self._capped = False
 
     # ---- generation ----------------------------------------------------
     def generate(self, prompts: Iterable[Any], *, max_new_tokens: int = 32, temperature: float = 0.0,

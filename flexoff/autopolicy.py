@@ -34,7 +34,7 @@ def engine_plan(llm: Any, policy: Policy, prompt_len: int, gen_len: int) -> Memo
                        llm.device.type == "cuda")
 
 
-def auto_policy(llm: Any, prompt_len: int, gen_len: int, num_prompts: int | None) -> Policy:
+def auto_policy(llm: Any, prompt_len: int, gen_len: int, num_prompts: int | None, **search_args: Any) -> Policy:
     """The best searched policy that the engine's own accounting accepts. Where the engine needs
     more than the cost model counted (alignment, staging of whole tensors), the search is run
     again with budgets lowered by the difference."""
@@ -45,8 +45,8 @@ def auto_policy(llm: Any, prompt_len: int, gen_len: int, num_prompts: int | None
     error: MemoryBudgetError | None = None
     for _ in range(4):
         excess = {t: 0.0 for t in TIERS}
-        cands = search(llm.model.spec, hw, work, budget, compress_weight=llm.compression[0],
-                       compress_cache=llm.compression[1])
+        args = {"compress_weight": llm.compression[0], "compress_cache": llm.compression[1], **search_args}
+        cands = search(llm.model.spec, hw, work, budget, **args)
         for cand in cands[:8]:
             plan = engine_plan(llm, cand.policy, prompt_len, gen_len)
             try:

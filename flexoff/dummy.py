@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -67,22 +68,24 @@ def dummy_config(name: str) -> dict[str, Any]:
 
 
 class DummySource:
-    """Seeded random weights, made one layer at a time on `device`."""
+    """Seeded random weights, made one layer at a time on `device`. Each tensor is seeded by its
+    canonical checkpoint name, so a tied head equals its embedding, as in the real model."""
 
     def __init__(self, seed: int = 0):
         self.seed = seed
 
     def layer(self, j: int, spec: LayerSpec, dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
-        g = torch.Generator(device=device)
-        g.manual_seed(self.seed * 1_000_003 + j)
         out = {}
         for t in spec.tensors:
+            name = t.hf_names[-1]  # where the values are stored (shared by tied tensors)
+            g = torch.Generator(device=device)
+            g.manual_seed(self.seed * 1_000_003 + zlib.crc32(name.encode()))
             x = torch.randn(t.shape, generator=g, device=device, dtype=dtype)
-            if t.name.endswith("norm.weight") or t.name == "ln.weight":
+            if name.endswith("bias"):
+                x = 0.02 * x
+            elif "norm" in name:
                 x = 1 + 0.1 * x  # norm scales near one
-            elif len(t.shape) == 2:
-                x = x / math.sqrt(t.shape[1]) * (1.0 if t.matmul else 0.5)
             else:
-                x = 0.02 * x  # biases
+                x = x / math.sqrt(t.shape[-1])
             out[t.name] = x
         return out

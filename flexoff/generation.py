@@ -61,6 +61,8 @@ class RunStats:
     decode_s: float = 0.0
     blocks: int = 0
     peak_bytes: dict[str, int] = field(default_factory=dict)
+    traffic_prefill: dict[str, int] = field(default_factory=dict)  # bytes by copy path (engine's counters)
+    traffic_decode: dict[str, int] = field(default_factory=dict)
 
     @property
     def generation_throughput(self) -> float:
@@ -78,6 +80,9 @@ class RunStats:
             setattr(self, f, getattr(self, f) + getattr(other, f))
         for k, v in other.peak_bytes.items():
             self.peak_bytes[k] = max(self.peak_bytes.get(k, 0), v)
+        for mine, theirs in ((self.traffic_prefill, other.traffic_prefill), (self.traffic_decode, other.traffic_decode)):
+            for k, v in theirs.items():
+                mine[k] = mine.get(k, 0) + v
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -177,5 +182,6 @@ def run_block(engine: Engine, tokenizer: Tokenizer, block: list[Request], job_se
     stats = RunStats(prompt_tokens=sum(len(r.prompt_ids) for r in block),
                      generated_tokens=sum(c.completion_tokens for c in out),
                      padded_prompt_tokens=S * len(block), padded_generated_tokens=res.steps * len(block),
-                     prefill_s=res.prefill_s, decode_s=res.decode_s, blocks=1)
+                     prefill_s=res.prefill_s, decode_s=res.decode_s, blocks=1,
+                     traffic_prefill=res.traffic_prefill, traffic_decode=res.traffic_decode)
     return out, stats

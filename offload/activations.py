@@ -17,7 +17,7 @@ from flexoff.models.spec import ModelSpec
 from flexoff.offload.lanes import DONE, Event, Lanes, Tracked
 from flexoff.offload.mover import Mover, Span, span_of
 from flexoff.offload.placement import TIERS, row_segments, row_split
-from flexoff.offload.tiers import Tiers
+from flexoff.offload.tiers import Ledger
 from flexoff.policy.policy import Policy
 
 
@@ -37,12 +37,12 @@ class _Stored:
 
 
 class HiddenStore:
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, policy: Policy, tiers: Tiers,
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, policy: Policy, mem: Ledger,
                  lanes: Lanes, mover: Mover, max_prompt: int):
-        self.dtype, self.lanes, self.mover, self.device = dtype, lanes, mover, tiers.device
+        self.dtype, self.lanes, self.mover, self.device = dtype, lanes, mover, mem.device
         self.split = row_split(policy.gpu_batch_size, policy.act_gpu_percent, policy.act_cpu_percent)
         per_row = max_prompt * spec.hidden_size * dtype.itemsize
-        self.homes = [{t: (tiers.get(t).alloc(n * per_row), Tracked())
+        self.homes = [{t: (mem.alloc(t, n * per_row), Tracked())
                        for t, n in self.split.items() if n > 0 and t != "gpu"}
                       for _ in range(policy.num_gpu_batches)]
         self._stored: dict[int, _Stored] = {}

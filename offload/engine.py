@@ -29,7 +29,7 @@ from flexoff.offload.layout import Layout, PlainFormat, WeightFormat
 from flexoff.offload.memory import MemoryPlan, check, plan_memory
 from flexoff.offload.mover import Mover
 from flexoff.offload.schedule import Step, zigzag
-from flexoff.offload.tiers import Budgets, Tiers
+from flexoff.offload.tiers import Budgets, Ledger, Tiers
 from flexoff.offload.weights import WeightStore
 from flexoff.policy.policy import Policy
 
@@ -49,6 +49,8 @@ class BlockResult:
     decode_s: float
     steps: int  # token steps run (the first is the prefill)
     prompt_logprobs: list[torch.Tensor | None] = field(default_factory=list)  # per batch (n, s-1)
+    traffic_prefill: dict[str, int] = field(default_factory=dict)  # bytes moved by path, and read by CPU attention
+    traffic_decode: dict[str, int] = field(default_factory=dict)
 
 
 class _Batch:
@@ -84,11 +86,11 @@ class _Pending:
 class _HostIO:
     """Pinned buffers through which CPU attention receives q, k, v and returns its output."""
 
-    def __init__(self, lanes: Lanes, tiers: Tiers, rows: int, spec: ModelSpec, dtype: torch.dtype):
-        self.lanes, self.cuda, self.device, self.dtype = lanes, lanes.cuda, tiers.device, dtype
+    def __init__(self, lanes: Lanes, mem: Ledger, rows: int, spec: ModelSpec, dtype: torch.dtype):
+        self.lanes, self.cuda, self.device, self.dtype = lanes, lanes.cuda, mem.device, dtype
         if self.cuda:
             qn, kvn = rows * spec.num_heads * spec.head_dim, rows * spec.num_kv_heads * spec.head_dim
-            self.bufs = [tiers.cpu.alloc(n * dtype.itemsize).view(dtype) for n in (qn, kvn, kvn, qn)]
+            self.bufs = [mem.alloc("cpu", n * dtype.itemsize).view(dtype) for n in (qn, kvn, kvn, qn)]
 
     def to_host(self, *ts: torch.Tensor) -> list[torch.Tensor]:
         if not self.cuda:
@@ -114,10 +116,14 @@ class _HostIO:
 
 
 class Engine:
+    """One policy's machinery: lanes, KV cache, activation stores. It may borrow tiers and a
+    weight store that outlive it (given ones are not released by close)."""
+
     def __init__(self, family: Family, spec: ModelSpec, policy: Policy, *, device: torch.device,
                  dtype: torch.dtype, max_prompt: int, max_gen: int, offload_dir: str | None = None,
                  budgets: Budgets | None = None, weight_format: WeightFormat | None = None,
-                 kv_codec: KVCodec | None = None):
+                 kv_codec: KVCodec | None = None, tiers: Tiers | None = None,
+                 weights: WeightStore | None = None, credit: dict[str, int] | None = None):
         self.fam, self.spec, self.policy, self.device, self.dtype = family, spec, policy, device, dtype
         self.max_prompt, self.max_gen = max_prompt, max_gen
         self.fmt = weight_format or PlainFormat(dtype)
@@ -125,19 +131,24 @@ class Engine:
         layouts = [Layout(self.fmt.fields(l)) for l in spec.layers]
         self.plan: MemoryPlan = plan_memory(spec, layouts, codec.rec_bytes, policy, max_prompt, max_gen,
                                             dtype, device.type == "cuda")
-        check(self.plan, budgets or Budgets(), device, offload_dir)  # before anything is allocated
+        # before anything is allocated; `credit` is memory already held that the plan counts
+        check(self.plan, budgets or Budgets(), device, offload_dir, credit or {})
         self.lanes = Lanes(device)
-        self.tiers = Tiers(device, offload_dir)
-        self.mover = Mover(self.lanes, self.tiers.cpu)
+        self._own_tiers, self._own_weights = tiers is None, weights is None
+        self.tiers = tiers or Tiers(device, offload_dir)
+        self.mem = Ledger(self.tiers)
+        self.mover = Mover(self.lanes, self.mem)
         try:
-            self.weights = WeightStore(list(spec.layers), self.fmt, policy, self.tiers, self.lanes, self.mover)
-            self.kv = KVStore(spec, codec, policy, self.tiers, self.lanes, self.mover, max_prompt + max_gen)
-            self.hidden = HiddenStore(spec, dtype, policy, self.tiers, self.lanes, self.mover, max_prompt)
-            self.host_io = _HostIO(self.lanes, self.tiers, policy.gpu_batch_size, spec, dtype)
+            self.weights = weights or WeightStore(list(spec.layers), self.fmt, policy, self.tiers)
+            self.weights.bind(self.lanes, self.mover)
+            self.kv = KVStore(spec, codec, policy, self.mem, self.lanes, self.mover, max_prompt + max_gen)
+            self.hidden = HiddenStore(spec, dtype, policy, self.mem, self.lanes, self.mover, max_prompt)
+            self.host_io = _HostIO(self.lanes, self.mem, policy.gpu_batch_size, spec, dtype)
         except BaseException:
             self.close()
             raise
         self._sampler: Sampler | None = None
+        self.cpu_attention_bytes = 0
 
     # ---- setup ---------------------------------------------------------
     def load_weights(self, layers: Iterable[tuple[int, Mapping[str, torch.Tensor]]]) -> None:
@@ -145,15 +156,25 @@ class Engine:
         for j, tensors in layers:
             self.weights.fill(j, tensors)
 
+    def detach_weights(self) -> WeightStore:
+        """Hand the weight store to the caller, who keeps it beyond this engine."""
+        self._own_weights = False
+        return self.weights
+
     def close(self) -> None:
-        """Stop the lanes, unpin host memory and remove the offload folder. Idempotent."""
+        """Stop the lanes and give back what this engine allocated (weights and tiers only if
+        it owns them: unpinning host memory, removing the offload folder). Idempotent."""
         if hasattr(self, "lanes"):
             try:
                 self.lanes.sync()  # nothing may still be copying into memory we release
             except Exception:  # a failed lane already raised where it mattered
                 pass
             self.lanes.close()
-        if hasattr(self, "tiers"):
+        if hasattr(self, "mem"):
+            self.mem.release()
+        if getattr(self, "_own_weights", False) and hasattr(self, "weights"):
+            self.weights.release()
+        if getattr(self, "_own_tiers", False) and hasattr(self, "tiers"):
             self.tiers.close()
 
     def peaks(self) -> dict[str, int]:
@@ -178,6 +199,8 @@ class Engine:
         states = [_Batch(b, gen_len, self.device, pin) for b in batches]
         tok_events: list[Event] = []
         delivered, steps, stop = -1, 0, False
+        start = self.traffic()
+        after_prefill = start
         t0 = time.perf_counter()
         prefill_s = 0.0
         pending: _Pending | None = None
@@ -209,6 +232,7 @@ class Engine:
                 if i == 0:
                     self.lanes.sync()
                     prefill_s = time.perf_counter() - t0
+                    after_prefill = self.traffic()
                 if i - 1 > delivered or i == 0:
                     d = i if i == 0 else i - 1
                     tok_events[d].wait_host()
@@ -226,7 +250,14 @@ class Engine:
         self.hidden.clear()
         self.kv.reset()
         lps = [st.logprobs.cpu() if st.logprobs is not None else None for st in states]
-        return BlockResult(prefill_s, end - t0 - prefill_s, steps, lps)
+        done = self.traffic()
+        return BlockResult(prefill_s, end - t0 - prefill_s, steps, lps,
+                           {k: after_prefill[k] - start[k] for k in start},
+                           {k: done[k] - after_prefill[k] for k in start})
+
+    def traffic(self) -> dict[str, int]:
+        """Bytes issued so far: by copy path, and KV bytes read by CPU attention."""
+        return {**self.mover.traffic, "cpu_attention": self.cpu_attention_bytes}
 
     def _prefetch(self, step: Step, nxt: Step | None, states: list[_Batch], gen_len: int) -> None:
         """Issue the loads for what comes next, overlapping this step's compute."""
@@ -323,7 +354,7 @@ class Engine:
                        v: torch.Tensor, r0: int, r1: int, t: int) -> Event:
         """Decode attention for CPU-resident rows on the CPU lane; resolves to the output
         (rows, heads, 1, d) on the compute device."""
-        seg, codec, io = self.kv.homes[li][kb]["cpu"], self.kv.codec, self.host_io
+        seg, codec, io = self.kv.homes[li][kb]["cpu"], self.kv.cpu_codec, self.host_io
         rows, scale = r1 - r0, self.fam.scale
         mask = st.valid_host[r0:r1, None, :t + 1]
 
@@ -333,6 +364,7 @@ class Engine:
             K, V = codec.read(seg.buf, rows, t + 1)
             return io.to_device(attend(qh, K, V, mask, scale))
 
+        self.cpu_attention_bytes += rows * (t + 1) * self.kv.codec.rec_bytes
         ev = self.lanes.cpu.run(task, [self.lanes.compute.mark()] + seg.track.claim())
         seg.track.wrote(ev)
         seg.track.tag = t + 1

@@ -21,7 +21,7 @@ from flexoff.models.spec import ModelSpec
 from flexoff.offload.lanes import Event, Lanes, Tracked
 from flexoff.offload.mover import Mover, Span, span_of
 from flexoff.offload.placement import TIERS, row_segments, row_split
-from flexoff.offload.tiers import Tiers
+from flexoff.offload.tiers import Ledger
 from flexoff.policy.policy import Policy
 
 
@@ -66,6 +66,31 @@ class PlainKV:
         return k, v
 
 
+class HeadMajorKV:
+    """Plain keys and values laid out for attention on the CPU: all keys, then all values, each
+    (rows, kv_heads, capacity tokens, head_dim), so every head's keys are one contiguous matrix
+    (a strided token-major read runs an order of magnitude slower in CPU matmuls)."""
+
+    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, capacity: int):
+        self.kvh, self.hd, self.dtype, self.capacity = kv_heads, head_dim, dtype, capacity
+        self.rec_bytes = 2 * kv_heads * head_dim * dtype.itemsize
+
+    def _views(self, buf: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = rows * self.kvh * self.capacity * self.hd
+        x = buf[:2 * n * self.dtype.itemsize].view(self.dtype)
+        shape = (rows, self.kvh, self.capacity, self.hd)
+        return x[:n].view(shape), x[n:].view(shape)
+
+    def write(self, buf: torch.Tensor, rows: int, t: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        K, V = self._views(buf, rows)
+        K[:, :, t:t + k.shape[2]] = k
+        V[:, :, t:t + v.shape[2]] = v
+
+    def read(self, buf: torch.Tensor, rows: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        K, V = self._views(buf, rows)
+        return K[:, :, :t], V[:, :, :t]
+
+
 @dataclass
 class _Seg:
     buf: Any  # uint8 tensor or DiskFile, capacity rows * max_tokens * rec bytes
@@ -83,7 +108,7 @@ def kv_bytes(spec: ModelSpec, rec_bytes: int, policy: Policy, max_tokens: int) -
 
 
 class KVStore:
-    def __init__(self, spec: ModelSpec, codec: KVCodec, policy: Policy, tiers: Tiers,
+    def __init__(self, spec: ModelSpec, codec: KVCodec, policy: Policy, mem: Ledger,
                  lanes: Lanes, mover: Mover, max_tokens: int):
         self.codec, self.lanes, self.mover = codec, lanes, mover
         self.max_tokens = max_tokens
@@ -91,12 +116,16 @@ class KVStore:
         self.split = row_split(policy.gpu_batch_size, policy.cache_gpu_percent, policy.cache_cpu_percent)
         self.layer_index = {j: li for li, j in enumerate(spec.attn_layers)}
         rec = codec.rec_bytes
-        self.homes = [[{t: _Seg(tiers.get(t).alloc(n * max_tokens * rec), Tracked())
+        self.homes = [[{t: _Seg(mem.alloc(t, n * max_tokens * rec), Tracked())
                         for t, n in self.split.items() if n > 0}
                        for _ in range(policy.num_gpu_batches)] for _ in spec.attn_layers]
         staged = {t: self.split[t] for t in self.staged_tiers() if self.split[t] > 0}
-        self.slots = [{t: _Seg(tiers.gpu.alloc(n * max_tokens * rec), Tracked()) for t, n in staged.items()}
+        self.slots = [{t: _Seg(mem.alloc("gpu", n * max_tokens * rec), Tracked()) for t, n in staged.items()}
                       for _ in range(2)] if staged else []
+        # rows that CPU attention reads in place; a compressed cache keeps its records
+        plain = isinstance(codec, PlainKV)
+        self.cpu_codec: Any = HeadMajorKV(codec.kvh, codec.hd, codec.dtype, max_tokens) \
+            if (self.cpu_compute and plain) else codec
         self._next_slot = 0
         self._staged: dict[tuple[int, int], int] = {}  # (attention layer, batch) -> slot
 
@@ -120,6 +149,15 @@ class KVStore:
             seg, rows = self.homes[li][kb][tier], r1 - r0
             if tier == "gpu":
                 self.codec.write(seg.buf, rows, 0, k[r0:r1], v[r0:r1])
+                continue
+            if tier == "cpu" and self.cpu_compute:  # written in place by the CPU lane
+                kr, vr, codec, buf = k[r0:r1], v[r0:r1], self.cpu_codec, seg.buf
+
+                def put(kr=kr, vr=vr, codec=codec, buf=buf, rows=rows) -> None:
+                    codec.write(buf, rows, 0, *self.lanes.to_host(kr, vr))
+
+                seg.track.wrote(self.lanes.cpu.run(put, [ev] + seg.track.claim()))
+                seg.track.tag = k.shape[2]
                 continue
             enc = self.codec.encode(k[r0:r1], v[r0:r1])  # (s, rows, rec), transient
             deps = [ev] + seg.track.claim()

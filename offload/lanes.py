@@ -155,6 +155,15 @@ class Lanes:
         self.disk_write = ThreadLane("disk-write")
         self.cpu = ThreadLane("cpu-attention")
 
+    def to_host(self, *ts: torch.Tensor) -> list[torch.Tensor]:
+        """Host copies of device tensors, made on the store stream; for worker threads (whose
+        default stream is the compute stream). Blocks the calling thread until done."""
+        if not self.cuda:
+            return list(ts)
+        with torch.cuda.stream(self.store.stream):
+            out = [t.to("cpu") for t in ts]
+        return out
+
     def _all(self) -> list:
         return [self.load, self.store, self.disk_read, self.disk_write, self.cpu]
 

@@ -84,6 +84,8 @@ class Layout:
 class WeightFormat(Protocol):
     """How a layer's logical weights are stored, and rebuilt for compute."""
 
+    key: tuple  # equal keys store identical bytes
+
     def fields(self, layer: LayerSpec) -> list[tuple[str, torch.dtype, tuple[int, ...]]]: ...
     def encode(self, layer: LayerSpec, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
     def assemble(self, layer: LayerSpec, views: Mapping[str, torch.Tensor]) -> dict[str, Any]: ...
@@ -94,6 +96,7 @@ class PlainFormat:
 
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
+        self.key = ("plain", dtype)
 
     def fields(self, layer: LayerSpec) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         return [(t.name, self.dtype, t.shape) for t in layer.tensors]

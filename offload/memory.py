@@ -78,9 +78,15 @@ def available(device: torch.device, offload_dir: str | None) -> dict[str, int]:
     return {"gpu": gpu, "cpu": host, "disk": disk}
 
 
-def check(plan: MemoryPlan, budgets: Budgets, device: torch.device, offload_dir: str | None) -> None:
-    """Raise MemoryBudgetError if the plan does not fit, naming need and budget."""
+def check(plan: MemoryPlan, budgets: Budgets, device: torch.device, offload_dir: str | None,
+          credit: dict[str, int] | None = None) -> None:
+    """Raise MemoryBudgetError if the plan does not fit, naming need and budget. `credit`: bytes
+    already allocated that the plan counts (weights kept from an earlier engine)."""
     have = available(device, offload_dir)
+    for t, n in (credit or {}).items():
+        have[t] += n
+    if device.type == "cpu":
+        have["cpu"] += (credit or {}).get("gpu", 0)
     limits = {t: getattr(budgets, t) if getattr(budgets, t) is not None else have[t] for t in TIERS}
     for tier in TIERS:
         need = plan.total(tier)

@@ -16,7 +16,7 @@ from typing import Iterable, Literal
 import torch
 
 from flexoff.offload.lanes import DONE, Event, Lanes
-from flexoff.offload.tiers import DiskFile, MemTier
+from flexoff.offload.tiers import DiskFile, Ledger
 
 CHUNK = 32 << 20  # bytes per disk transfer chunk
 
@@ -47,8 +47,9 @@ def span_of(t: torch.Tensor) -> Span:
 class Mover:
     """Copies byte spans between tiers; one per engine."""
 
-    def __init__(self, lanes: Lanes, host: MemTier, chunk: int = CHUNK):
-        self.lanes, self.host, self.chunk = lanes, host, chunk
+    def __init__(self, lanes: Lanes, mem: Ledger, chunk: int = CHUNK):
+        self.lanes, self.mem, self.chunk = lanes, mem, chunk
+        self.traffic: dict[str, int] = {k: 0 for k in ("h2d", "d2h", "d2d", "host", "disk_read", "disk_write")}
         self._bounce: dict[str, list[torch.Tensor]] = {}  # pinned, allocated on first disk use
         self._bounce_ev: dict[str, list] = {"read": [None, None], "write": [None, None]}
 
@@ -58,6 +59,7 @@ class Mover:
         assert not (dst.on_disk and src.on_disk)
         if src.nbytes == 0:
             return DONE
+        self._count(dst, src)
         if src.on_disk:
             return self.lanes.disk_read.run(lambda: self._read(dst, src), deps)
         if dst.on_disk:
@@ -72,13 +74,28 @@ class Mover:
 
         return (self.lanes.load if lane == "load" else self.lanes.store).run(fn, deps)
 
+    def _count(self, dst: Span, src: Span) -> None:
+        """Bytes by path; disk traffic to or from the GPU also crosses the PCIe link."""
+        if src.on_disk:
+            self.traffic["disk_read"] += src.nbytes
+            if dst.buf.is_cuda:
+                self.traffic["h2d"] += src.nbytes
+        elif dst.on_disk:
+            self.traffic["disk_write"] += src.nbytes
+            if src.buf.is_cuda:
+                self.traffic["d2h"] += src.nbytes
+        else:
+            key = {(False, True): "h2d", (True, False): "d2h", (True, True): "d2d"}.get(
+                (src.buf.is_cuda, dst.buf.is_cuda), "host")
+            self.traffic[key] += src.nbytes
+
     def bounce_bytes(self) -> int:
         """Pinned host bytes the bounce buffers take once disk is used on a GPU machine."""
         return 4 * self.chunk if self.lanes.cuda else 0
 
     def _buffers(self, which: str) -> list[torch.Tensor]:
         if which not in self._bounce:
-            self._bounce[which] = [self.host.alloc(self.chunk) for _ in range(2)]
+            self._bounce[which] = [self.mem.alloc("cpu", self.chunk) for _ in range(2)]
         return self._bounce[which]
 
     def _read(self, dst: Span, src: Span) -> Event | None:

@@ -20,6 +20,7 @@ import torch
 from flexoff.errors import MemoryBudgetError
 
 GiB = 1 << 30
+PAGE = 4096
 
 
 class MemTier:
@@ -32,13 +33,24 @@ class MemTier:
         self._pinned: dict[int, torch.Tensor] = {}  # registered host buffers, by address
 
     def alloc(self, nbytes: int) -> torch.Tensor:
-        t = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
-        if self.pin and nbytes > 0:
+        if self.pin and nbytes > 0:  # page-aligned, then pinned in place
+            raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+            off = -raw.data_ptr() % PAGE
+            t = raw[off:off + nbytes]
             _host_register(t)
             self._pinned[t.data_ptr()] = t
+        else:
+            t = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
         self.used += nbytes
         self.peak = max(self.peak, self.used)
         return t
+
+    def free(self, t: torch.Tensor, nbytes: int) -> None:
+        """Give a buffer back (the caller drops its last reference)."""
+        pinned = self._pinned.pop(t.data_ptr(), None)
+        if pinned is not None:
+            _host_unregister(pinned)
+        self.used -= nbytes
 
     def close(self) -> None:
         """Unpin everything (before the memory goes back to the allocator, which may reuse it)."""
@@ -110,6 +122,12 @@ class DiskTier:
         self.peak = max(self.peak, self.used)
         return f
 
+    def free(self, f: DiskFile, nbytes: int) -> None:
+        f.close()
+        os.unlink(f.path)
+        self._files.remove(f)
+        self.used -= nbytes
+
     def close(self) -> None:
         self._finalizer()
 
@@ -148,6 +166,15 @@ class Tiers:
     def get(self, name: str):
         return {"gpu": self.gpu, "cpu": self.cpu, "disk": self.disk}[name]
 
+    def alloc(self, tier: str, nbytes: int):
+        return self.get(tier).alloc(nbytes)
+
+    def free(self, tier: str, buf, nbytes: int) -> None:
+        self.get(tier).free(buf, nbytes)
+
+    def used(self) -> dict[str, int]:
+        return {"gpu": self.gpu.used, "cpu": self.cpu.used, "disk": self._disk.used if self._disk else 0}
+
     def peaks(self) -> dict[str, int]:
         return {"gpu": self.gpu.peak, "cpu": self.cpu.peak, "disk": self._disk.peak if self._disk else 0}
 
@@ -155,3 +182,37 @@ class Tiers:
         self.cpu.close()
         if self._disk is not None:
             self._disk.close()
+
+
+class Ledger:
+    """The buffers one owner (an engine, a weight store) took from the tiers, so it can give
+    them all back; tiers outlive engines, so weights can stay resident between jobs."""
+
+    def __init__(self, tiers: Tiers):
+        self.tiers = tiers
+        self.device = tiers.device
+        self._items: list[tuple[str, object, int]] = []
+
+    def alloc(self, tier: str, nbytes: int):
+        buf = self.tiers.alloc(tier, nbytes)
+        self._items.append((tier, buf, nbytes))
+        return buf
+
+    def free(self, buf: object) -> None:
+        for n, (tier, b, nbytes) in enumerate(self._items):
+            if b is buf:
+                del self._items[n]
+                self.tiers.free(tier, b, nbytes)
+                return
+        raise AssertionError("buffer not in this ledger")
+
+    def release(self) -> None:
+        while self._items:
+            tier, buf, nbytes = self._items.pop()
+            self.tiers.free(tier, buf, nbytes)
+
+    def held(self) -> dict[str, int]:
+        out = {"gpu": 0, "cpu": 0, "disk": 0}
+        for tier, _, nbytes in self._items:
+            out[tier] += nbytes
+        return out

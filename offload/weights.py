@@ -15,12 +15,12 @@ from typing import Any, Mapping
 
 import torch
 
-from flexoff.models.base import LayerSpec
+from flexoff.models.base import LayerSpec, materialize
 from flexoff.offload.lanes import Event, Lanes, Tracked
 from flexoff.offload.layout import Layout, WeightFormat
 from flexoff.offload.mover import Mover, Span
 from flexoff.offload.placement import ByteSplit, byte_split
-from flexoff.offload.tiers import Tiers
+from flexoff.offload.tiers import Ledger, Tiers
 from flexoff.policy.policy import Policy
 
 
@@ -48,36 +48,77 @@ class _Slot:
 
 
 class WeightStore:
-    def __init__(self, layers: list[LayerSpec], fmt: WeightFormat, policy: Policy,
-                 tiers: Tiers, lanes: Lanes, mover: Mover):
-        self.layers, self.fmt, self.tiers, self.lanes, self.mover = layers, fmt, tiers, lanes, mover
+    """Owns its buffers (through its own Ledger) so it can outlive the engine that made it: a
+    new engine with the same weight placement reuses it as it is."""
+
+    def __init__(self, layers: list[LayerSpec], fmt: WeightFormat, policy: Policy, tiers: Tiers):
+        self.layers, self.fmt = layers, fmt
+        self.mem = Ledger(tiers)
         self.layouts = [Layout(fmt.fields(l)) for l in layers]
         self.splits = plan_weights(self.layouts, policy)
-        self.homes: list[dict[str, Any]] = []
-        for s in self.splits:
-            self.homes.append({t: tiers.get(t).alloc(s.bytes_on(t)) for t in ("gpu", "cpu", "disk")
-                               if s.bytes_on(t) > 0})
+        self.homes: list[dict[str, Any]] = [{} for _ in layers]  # allocated as each layer is filled
         slot_bytes = max((s.n - s.stage for s in self.splits), default=0)
-        self.slots = [_Slot(tiers.gpu.alloc(slot_bytes)) for _ in range(2)] if slot_bytes else []
+        self.slots = [_Slot(self.mem.alloc("gpu", slot_bytes)) for _ in range(2)] if slot_bytes else []
         self._next_slot = 0
         self._in_slot: dict[int, int] = {}  # layer -> slot holding it
         self._views: dict[tuple[int, int], dict[str, Any]] = {}
+        self.lanes: Lanes | None = None
+        self.mover: Mover | None = None
+
+    def bind(self, lanes: Lanes, mover: Mover) -> None:
+        """Copy through this engine's lanes from now on."""
+        self.lanes, self.mover = lanes, mover
+        for slot in self.slots:
+            slot.track = Tracked()
+        self._in_slot.clear()
+
+    def matches(self, fmt: WeightFormat, policy: Policy) -> bool:
+        """Whether a policy would place these weights exactly as they are."""
+        return self.fmt.key == fmt.key and plan_weights(self.layouts, policy) == self.splits
 
     # ---- loading -------------------------------------------------------
-    def fill(self, j: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Store layer j's logical tensors (any device) on its tiers; synchronous."""
+    def fill(self, j: int, tensors: Mapping[str, torch.Tensor], encoded: bool = False) -> None:
+        """Store layer j's logical tensors (or its stored fields, if encoded) on its tiers."""
         s, lay = self.splits[j], self.layouts[j]
-        enc = self.fmt.encode(self.layers[j], tensors)
+        enc = tensors if encoded else self.fmt.encode(self.layers[j], tensors)
         dev = next(iter(enc.values())).device
         flat = torch.empty(s.n, dtype=torch.uint8, device=dev)
         lay.pack(enc, flat)
-        home = self.homes[j]
+        home = self.homes[j] = {t: self.mem.alloc(t, s.bytes_on(t)) for t in ("gpu", "cpu", "disk")
+                                if s.bytes_on(t) > 0}
         if s.a:
             home["gpu"][:s.a].copy_(flat[:s.a])
         if s.b > s.a:
             home["cpu"][:s.b - s.a].copy_(flat[s.a:s.b])
         if s.n > s.b:
             home["disk"].write_from(0, flat[s.b:].cpu())
+
+    def take(self, j: int, encoded: bool, device: torch.device) -> dict[str, torch.Tensor]:
+        """Layer j's stored fields (encoded) or dense logical tensors, on device; its buffers
+        are given back, so moving weights to a new placement never holds two copies."""
+        s, home = self.splits[j], self.homes[j]
+        flat = torch.empty(s.n, dtype=torch.uint8, device=device)
+        if s.a:
+            flat[:s.a].copy_(home["gpu"][:s.a])
+        if s.b > s.a:
+            flat[s.a:s.b].copy_(home["cpu"][:s.b - s.a])
+        if s.n > s.b:
+            part = torch.empty(s.n - s.b, dtype=torch.uint8)
+            home["disk"].read_into(0, part)
+            flat[s.b:].copy_(part)
+        for buf in home.values():
+            self.mem.free(buf)
+        self.homes[j] = {}
+        views = self.layouts[j].views([(0, flat)])
+        if encoded:
+            return views
+        return {k: materialize(v) for k, v in self.fmt.assemble(self.layers[j], views).items()}
+
+    def release(self) -> None:
+        self.mem.release()
+        self.homes = [{} for _ in self.layers]
+        self.slots = []
+        self._views.clear()
 
     # ---- staging -------------------------------------------------------
     def prefetch(self, j: int) -> None:

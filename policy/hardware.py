@@ -49,6 +49,7 @@ class Hardware:
     bmm_flops_g: float  # ... at decode shapes
     cpu_flops: float  # FLOP/s of CPU attention (FlexGen's constant)
     cpu_attn_bdw: float  # bytes/s of KV cache that CPU attention reads
+    cpu_mem_bdw: float  # bytes/s of a host memcpy, read plus write (for bounds)
     dequant_bdw: float  # bytes/s of dense output of 4-bit dequantization on the device
     cpu_dequant_bdw: float  # ... on the CPU (CPU attention over a compressed cache)
 
@@ -67,13 +68,14 @@ class Hardware:
 def flexgen_t4() -> Hardware:
     """FlexGen's fitted T4 constants (16 GB GPU, 208 GB CPU, 1.5 TB disk). FlexGen prices CPU
     attention by FLOPs; its fp16 KV cache is one byte per FLOP of attention, so cpu_attn_bdw equals
-    cpu_flops. FlexGen gives no dequantization rate; ours is an estimate for the T4 (a third of its
-    320 GB/s memory bandwidth)."""
+    cpu_flops. FlexGen gives no dequantization rate or host memory bandwidth; ours are estimates
+    (a third of the T4's 320 GB/s, and 50 GB/s of DDR4)."""
     return Hardware("flexgen-t4", "cuda", gpu_mem=16 * GB, cpu_mem=208 * GB, disk_mem=1.5e12,
                     ctog_bdw=12.89 * GB, gtoc_bdw_cache=0.97 * GB, gtoc_bdw_hidden=4.82 * GB,
                     dtoc_bdw=0.473 * GB, ctod_bdw_cache=0.746 * GB, ctod_bdw_hidden=2.015 * GB,
                     mm_flops_p=21.24e12, mm_flops_g=4.3e12, bmm_flops_p=9.97e12, bmm_flops_g=0.079e12,
-                    cpu_flops=0.0123e12, cpu_attn_bdw=0.0123e12, dequant_bdw=100 * GB, cpu_dequant_bdw=2 * GB)
+                    cpu_flops=0.0123e12, cpu_attn_bdw=0.0123e12, cpu_mem_bdw=50 * GB, dequant_bdw=100 * GB,
+                    cpu_dequant_bdw=2 * GB)
 
 
 def h200() -> Hardware:
@@ -83,7 +85,8 @@ def h200() -> Hardware:
                     ctog_bdw=55.5 * GB, gtoc_bdw_cache=55.4 * GB, gtoc_bdw_hidden=55.4 * GB,
                     dtoc_bdw=2.43 * GB, ctod_bdw_cache=1.58 * GB, ctod_bdw_hidden=1.58 * GB,
                     mm_flops_p=758e12, mm_flops_g=257e12, bmm_flops_p=300e12, bmm_flops_g=4.2e12,
-                    cpu_flops=1.35e12, cpu_attn_bdw=139.8 * GB, dequant_bdw=1500 * GB, cpu_dequant_bdw=10 * GB)
+                    cpu_flops=1.35e12, cpu_attn_bdw=139.8 * GB, cpu_mem_bdw=118.2 * GB, dequant_bdw=1500 * GB,
+                    cpu_dequant_bdw=10 * GB)
 
 
 PRESETS: dict[str, Callable[[], Hardware]] = {"flexgen-t4": flexgen_t4, "h200": h200}
@@ -144,14 +147,15 @@ def _timed(fn: Callable[[], Any], sync: Callable[[], None], repeat: int = 5) -> 
     return sorted(times)[len(times) // 2]
 
 
-def measure(offload_dir: str | None = None, size: int = 512 << 20) -> Hardware:
-    """Measure this machine. On a CPU-only machine the compute device is the CPU."""
+def measure(offload_dir: str | None = None, size: int = 512 << 20, quick: bool = False) -> Hardware:
+    """Measure this machine. On a CPU-only machine the compute device is the CPU. `quick`
+    measures small shapes only (seconds, for smoke tests; less accurate)."""
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     dtype = torch.float16 if cuda else torch.float32
     sync = (lambda: torch.cuda.synchronize()) if cuda else (lambda: None)
-    if not cuda:
-        size = min(size, 128 << 20)
+    if not cuda or quick:
+        size = min(size, (16 if quick else 128) << 20)
     host = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
     devbuf = torch.empty(size, dtype=torch.uint8, device=dev)
     host.fill_(1)
@@ -170,11 +174,16 @@ def measure(offload_dir: str | None = None, size: int = 512 << 20) -> Hardware:
         y = torch.randn(b, k, n, device=dev, dtype=dtype)
         return 2 * b * m * k * n / _timed(lambda: torch.bmm(x, y), sync)
 
-    h = 4096 if cuda else 1024
+    h = 4096 if cuda and not quick else (1024 if not quick else 256)
     mm_p, mm_g = mm(2048, h, 4 * h), mm(32, h, 4 * h)
-    bmm_p, bmm_g = bmm(64, 512, 128, 512), bmm(1024, 1, 128, 1024)
-    cpu_attn, cpu_flops = _cpu_attention()
-    deq, cpu_deq = _dequant(dev)
+    bmm_p, bmm_g = (bmm(64, 512, 128, 512), bmm(1024, 1, 128, 1024)) if not quick else \
+        (bmm(8, 64, 64, 64), bmm(64, 1, 64, 256))
+    cpu_attn, cpu_flops = _cpu_attention(quick)
+    deq, cpu_deq = _dequant(dev, quick)
+    big = torch.empty(size // 4, dtype=torch.float32)
+    big.fill_(1.0)
+    other = torch.empty_like(big)
+    cpu_mem = 2 * size / _timed(lambda: other.copy_(big), lambda: None, repeat=3)
     disk_free = shutil.disk_usage(offload_dir or tempfile.gettempdir()).free
     gpu_mem = torch.cuda.get_device_properties(0).total_memory if cuda else psutil.virtual_memory().total
     return Hardware(f"measured:{platform.node()}", dev.type, gpu_mem=float(gpu_mem),
@@ -182,7 +191,7 @@ def measure(offload_dir: str | None = None, size: int = 512 << 20) -> Hardware:
                     ctog_bdw=ctog, gtoc_bdw_cache=gtoc, gtoc_bdw_hidden=gtoc, dtoc_bdw=dread,
                     ctod_bdw_cache=dwrite, ctod_bdw_hidden=dwrite, mm_flops_p=mm_p, mm_flops_g=mm_g,
                     bmm_flops_p=bmm_p, bmm_flops_g=bmm_g, cpu_flops=cpu_flops, cpu_attn_bdw=cpu_attn,
-                    dequant_bdw=deq, cpu_dequant_bdw=cpu_deq)
+                    cpu_mem_bdw=cpu_mem, dequant_bdw=deq, cpu_dequant_bdw=cpu_deq)
 
 
 def _disk(offload_dir: str | None, buf: torch.Tensor) -> tuple[float, float]:
@@ -207,28 +216,31 @@ def _disk(offload_dir: str | None, buf: torch.Tensor) -> tuple[float, float]:
         os.unlink(path)
 
 
-def _cpu_attention() -> tuple[float, float]:
-    """KV bytes/s and FLOP/s of decode attention on the CPU over a token-major cache."""
+def _cpu_attention(quick: bool = False) -> tuple[float, float]:
+    """KV bytes/s and FLOP/s of decode attention on the CPU over the engine's head-major rows,
+    at a size well past the CPU caches."""
     from flexoff.models.attention import attend
 
-    b, heads, d, s = 8, 32, 128, 512
+    b, heads, d, s = (32, 32, 128, 1024) if not quick else (4, 8, 64, 128)
+    if not torch.cuda.is_available() and not quick:
+        b = 8
     dtype = torch.float16 if torch.cuda.is_available() else torch.float32
-    cache = torch.randn(s, b, 2, heads, d, dtype=dtype)  # the engine's layout
+    kv = torch.randn(2, b, heads, s, d, dtype=dtype)
     q = torch.randn(b, heads, 1, d, dtype=dtype)
-    k, v = cache[:, :, 0].permute(1, 2, 0, 3), cache[:, :, 1].permute(1, 2, 0, 3)
     mask = torch.ones(b, 1, s, dtype=torch.bool)
-    t = _timed(lambda: attend(q, k, v, mask, d**-0.5), lambda: None, repeat=3)
-    return cache.numel() * cache.element_size() / t, 4 * b * heads * d * s / t
+    t = _timed(lambda: attend(q, kv[0], kv[1], mask, d**-0.5), lambda: None, repeat=3)
+    return kv.numel() * kv.element_size() / t, 4 * b * heads * d * s / t
 
 
-def _dequant(dev: torch.device) -> tuple[float, float]:
+def _dequant(dev: torch.device, quick: bool = False) -> tuple[float, float]:
     """Dense bytes/s of 4-bit dequantization on the device and on the CPU."""
     from flexoff.kernels.quant import dequantize_rows as fast
     from flexoff.quant.format import QuantConfig, dequantize_rows, quantize
 
     cfg = QuantConfig(4, 64)
     out = []
-    for device, fn, rows in ((dev, fast, 8192), (torch.device("cpu"), dequantize_rows, 1024)):
+    big, small = (8192, 1024) if not quick else (64, 64)
+    for device, fn, rows in ((dev, fast, big), (torch.device("cpu"), dequantize_rows, small)):
         c = quantize(torch.randn(rows, 4096, device=device), cfg)
         dtype = torch.float16 if device.type == "cuda" else torch.float32
         sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)

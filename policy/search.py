@@ -130,8 +130,10 @@ def search(spec: ModelSpec, hw: Hardware, work: Workload, budget: Budget, *,
            compress_weight: Toggle = "off", compress_cache: Toggle = "off",
            cpu_attention: Toggle = "auto", overlap: bool = True,
            max_latency: float | None = None, objective: str = "throughput",
-           shapes: Iterable[tuple[int, int]] | None = None) -> list[Candidate]:
+           shapes: Iterable[tuple[int, int]] | None = None, no_disk: bool = False) -> list[Candidate]:
     """All runnable candidates, best first. Raises MemoryBudgetError if none fits."""
+    if no_disk:
+        budget = Budget(budget.gpu, budget.cpu, 0.0)
     if shapes is None:
         cap = work.num_prompts or 1 << 30
         shapes = [(g, b) for g, b in itertools.product(GPU_BATCH_SIZES, NUM_GPU_BATCHES)

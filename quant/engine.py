@@ -51,6 +51,7 @@ class CompressedFormat:
 
     def __init__(self, dtype: torch.dtype, bits: int, group: int):
         self.dtype, self.cfg = dtype, weight_config(bits, group)
+        self.key = ("compressed", dtype, bits, group)
 
     def fields(self, layer: LayerSpec) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
         out = []

@@ -35,7 +35,10 @@ def attend(
 def _attend_math(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
 ) -> torch.Tensor:
-    """Plain matmul-softmax-matmul; reads strided k and v without copying them."""
+    """Plain matmul-softmax-matmul. CPU matmuls are fast only when each head's keys and values
+    are contiguous matrices: strided ones (a token-major cache) are copied first."""
+    if k.stride(-2) != k.shape[-1]:
+        k, v = k.contiguous(), v.contiguous()
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # (b, kvh, g*sq, sk)
     scores.masked_fill_(~mask, float("-inf"))
     p = torch.softmax(scores, dim=-1).to(v.dtype)

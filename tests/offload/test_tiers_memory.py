@@ -51,6 +51,8 @@ def test_weights_are_placed_by_bytes_and_accounting_matches_allocation(tiny):
                    cache_gpu_percent=25, cache_cpu_percent=50, act_gpu_percent=50, act_cpu_percent=0)
         e = _engine(llm, p)
         try:
+            m = llm.model
+            e.load_weights((j, m.source.layer(j, l, torch.float32, e.device)) for j, l in enumerate(m.spec.layers))
             for s in e.weights.splits:
                 assert abs(s.a - 0.2 * s.n) <= 1 and abs(s.b - 0.7 * s.n) <= 1
             plan = e.plan
@@ -118,3 +120,31 @@ def test_offload_folder_removed_at_exit_and_on_sigterm(tmp_path):
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 143
     assert list(root.iterdir()) == []
+
+
+def test_weights_stay_resident_or_move_between_policies(tiny, tiny_refs):
+    """Same weight placement: the store is kept; another placement: moved, layer by layer."""
+    want = [r for r, _ in tiny_refs["llama"]]
+    base = dict(cache_gpu_percent=0, cache_cpu_percent=100)
+    with LLM(str(tiny["llama"].path)) as llm:
+        outs, stores = [], []
+        for p in [Policy(gpu_batch_size=4, w_gpu_percent=30, w_cpu_percent=40, **base),
+                  Policy(gpu_batch_size=2, num_gpu_batches=3, w_gpu_percent=30, w_cpu_percent=40),
+                  Policy(gpu_batch_size=5, w_gpu_percent=0, w_cpu_percent=100),
+                  Policy(gpu_batch_size=5, compress_weight=True),
+                  Policy(gpu_batch_size=5)]:
+            llm.policy_arg = p
+            outs.append([c.token_ids for c in llm.generate([{"prompt_ids": q} for q in PROMPTS],
+                                                             max_new_tokens=8).completions])
+            stores.append(llm.weights)
+            held = llm.weights.mem.held()
+            split = llm.weights.bytes_per_tier()
+            slots = 2 * max((s.n - s.stage for s in llm.weights.splits), default=0)
+            assert held == {"gpu": split["gpu"], "cpu": split["cpu"], "disk": split["disk"]} or \
+                held["gpu"] == split["gpu"] and slots >= 0
+            # everything allocated is the weights' and this engine's; nothing leaked from before
+            used = llm.tiers.used()
+            assert used == {t: held[t] + llm.engine.mem.held()[t] for t in used}
+        assert stores[0] is stores[1] and stores[1] is not stores[2] and stores[2] is not stores[3]
+    assert outs[0] == outs[1] == outs[2] == outs[4] == want
+    assert all(len(t) == 8 for t in outs[3])

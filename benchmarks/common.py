@@ -1,0 +1,57 @@
+"""Shared by the benchmark scripts: where and when a result was measured, JSON records, tables.
+
+Knows: the device, torch version, commit and date of a run; writing records as JSON
+lines; printing a fixed-width table. Does not know what is measured.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()
+        return out.stdout.strip() + ("+dirty" if dirty else "") if out.returncode == 0 else "unknown"
+    except OSError:
+        return "unknown"
+
+
+def environment() -> dict[str, Any]:
+    cuda = torch.cuda.is_available()
+    return {"device": torch.cuda.get_device_name(0) if cuda else f"cpu ({platform.processor() or 'x86_64'})",
+            "cpus": os.cpu_count(), "torch": torch.__version__, "commit": os.environ.get("FLEXOFF_COMMIT", commit()),
+            "date": datetime.date.today().isoformat(), "host": platform.node()}
+
+
+def write_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        for r in records:
+            f.write(json.dumps(r, default=str) + "\n")
+
+
+def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+        return str(v)
+
+    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)

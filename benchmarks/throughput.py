@@ -1,0 +1,330 @@
+"""Generation throughput: a matrix of full runs, ablations, a latency-throughput frontier and the
+Hugging Face Accelerate baseline, each run a JSON record with its prediction and bounds.
+
+    python benchmarks/throughput.py --model dummy:opt-30b --prompt-len 512 --gen-len 32 \\
+        --gpu-mem 16GiB --policy auto --policy "48x2:0,100,0,100,100,0:a" [--ablations] \\
+        [--frontier] [--baseline 8] [--hardware FILE] [--out benchmarks/out]
+    python benchmarks/throughput.py --smoke      # the whole suite on tiny models, on the CPU
+
+Policies: `auto` (the LP search), `auto+c` (the search, compression allowed), a policy JSON
+file, or `GxN:wg,wc,cg,cc,hg,hc[:flags]` with flags a (CPU attention), w (compressed weights),
+k (compressed cache), n (no overlap). Every run is a full run of its block (no projection).
+Records go to OUT/throughput.jsonl; the frontier plot to OUT/frontier.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common import environment, table, write_jsonl
+
+COLUMNS = ["label", "model", "policy", "prefill_s", "decode_s", "gen_tok_s", "decode_tok_s", "predicted_tok_s",
+           "measured/predicted", "decode_bound_s", "decode/bound", "peak_gpu_GiB", "peak_cpu_GiB"]
+
+
+def parse_policy(text: str) -> Any:
+    from flexoff.policy.policy import Policy
+
+    if text in ("auto", "auto+c"):
+        return text
+    if text.endswith(".json"):
+        return Policy.load(text)
+    shape, pct, *flags = text.split(":")
+    gbs, nb = (int(x) for x in shape.lower().split("x"))
+    wg, wc, cg, cc, hg, hc = (float(x) for x in pct.split(","))
+    f = flags[0] if flags else ""
+    return Policy(gbs, nb, wg, wc, cg, cc, hg, hc, compress_weight="w" in f, compress_cache="k" in f,
+                  cpu_cache_compute="a" in f, overlap="n" not in f)
+
+
+class Bench:
+    """One model and memory budget: runs policies back to back, weights staying resident."""
+
+    def __init__(self, model: str, gpu_mem: int | None, cpu_mem: int | None, disk_mem: int | None,
+                 hardware: str | None, dtype: str, device: str, offload_dir: str | None):
+        from flexoff import LLM
+        from flexoff.policy import hardware as hwmod
+
+        self.llm = LLM(model, gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk_mem=disk_mem, hardware=hardware,
+                       dtype=dtype, device=device, offload_dir=offload_dir)
+        self.llm.model.tokenizer.eos_ids = ()  # benchmarks generate every token they ask for
+        self.hw = hwmod.load(hardware, offload_dir)
+        self.budgets = {"gpu_mem": gpu_mem, "cpu_mem": cpu_mem, "disk_mem": disk_mem}
+        self.env = environment()
+
+    def resolve(self, spec: Any, prompt_len: int, gen_len: int, n: int | None, **search: Any) -> Any:
+        from flexoff.autopolicy import auto_policy
+
+        if spec in ("auto", "auto+c"):
+            self.llm.compression = ("auto", "auto") if spec == "auto+c" else ("off", "off")
+            return auto_policy(self.llm, prompt_len, gen_len, n, **search)
+        return spec
+
+    def run(self, label: str, policy: Any, prompt_len: int, gen_len: int, num_prompts: int | None = None,
+            kind: str = "run") -> dict[str, Any]:
+        from flexoff.policy.cost_model import Choice, CostModel, Workload
+        from flexoff.offload.placement import row_split
+
+        spec = self.llm.model.spec
+        n = num_prompts or policy.block_size
+        g = torch.Generator().manual_seed(len(label))
+        prompts = [{"prompt_ids": torch.randint(3, spec.vocab_size, (prompt_len,), generator=g).tolist(),
+                    "id": str(i)} for i in range(n)]
+        self.llm.policy_arg = policy
+        t0 = time.perf_counter()
+        out = self.llm.generate(prompts, max_new_tokens=gen_len)
+        wall = time.perf_counter() - t0
+        st = out.stats
+        p = policy
+        rows = lambda g_, c_: row_split(p.gpu_batch_size, g_, c_)  # noqa: E731
+        cr, hr = rows(p.cache_gpu_percent, p.cache_cpu_percent), rows(p.act_gpu_percent, p.act_cpu_percent)
+        frac = {"wg": p.w_gpu_percent / 100, "wc": p.w_cpu_percent / 100, "wd": p.w_disk_percent / 100,
+                **{f"c{t[0]}": cr[t] / p.gpu_batch_size for t in ("gpu", "cpu", "disk")},
+                **{f"h{t[0]}": hr[t] / p.gpu_batch_size for t in ("gpu", "cpu", "disk")}}
+        frac = {k.replace("cg", "cg").replace("cc", "cc").replace("cd", "cd"): v for k, v in frac.items()}
+        ch = Choice(p.gpu_batch_size, p.num_gpu_batches, p.compress_weight, p.compress_cache,
+                    p.cpu_cache_compute, p.overlap, p.quant_bits, p.quant_group)
+        pred = CostModel(spec, self.hw, Workload(prompt_len, gen_len, self.llm.dtype.itemsize, n), ch).evaluate(frac)
+        td = st.traffic_decode
+        bound = max(td.get("h2d", 0) / self.hw.ctog_bdw, td.get("cpu_attention", 0) / self.hw.cpu_mem_bdw)
+        pcie = (st.traffic_prefill.get("h2d", 0) + td.get("h2d", 0)) / self.hw.ctog_bdw
+        gib = 2**30
+        rec = {"kind": kind, "label": label, "model": self.llm.model.name, "prompt_len": prompt_len,
+               "gen_len": gen_len, "num_prompts": n, **self.budgets, "policy": p.describe(), "policy_json": p.to_dict(),
+               "prefill_s": st.prefill_s, "decode_s": st.decode_s, "wall_s": wall,
+               "gen_tok_s": st.generation_throughput, "decode_tok_s": st.decode_throughput,
+               "predicted_prefill_s": pred.prefill_s, "predicted_decode_s": pred.decode_s,
+               "predicted_tok_s": pred.throughput, "predicted_bottleneck": pred.bottleneck,
+               "measured/predicted": st.generation_throughput / pred.throughput,
+               "decode_bound_s": bound, "decode/bound": st.decode_s / bound if bound else None,
+               "pcie_bound_s": pcie, "traffic_prefill": st.traffic_prefill, "traffic_decode": td,
+               "peak_bytes": st.peak_bytes, "peak_gpu_GiB": st.peak_bytes.get("gpu", 0) / gib,
+               "peak_cpu_GiB": st.peak_bytes.get("cpu", 0) / gib, "hardware": self.hw.name, **self.env}
+        return rec
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+def naive_policy(bench: Bench, prompt_len: int, gen_len: int) -> Any:
+    """What a user does without the search: weights in CPU memory, KV cache and activations on the
+    GPU, one GPU batch as large as the budget allows (DeepSpeed's and FlexGen's "no policy search")."""
+    from flexoff.autopolicy import engine_plan
+    from flexoff.errors import MemoryBudgetError
+    from flexoff.offload.memory import check
+    from flexoff.policy.policy import Policy
+
+    best = None
+    for gbs in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128):
+        p = Policy(gbs, 1, 0, 100, 100, 0, 100, 0)
+        try:
+            check(engine_plan(bench.llm, p, prompt_len, gen_len), bench.llm.options.budgets, bench.llm.device,
+                  bench.llm.options.offload_dir)
+            best = p
+        except MemoryBudgetError:
+            break
+    if best is None:
+        raise SystemExit("the naive policy does not fit even one sequence")
+    return best
+
+
+def ablations(bench: Bench, s: int, n: int) -> list[dict[str, Any]]:
+    """FlexGen's Table 4: the full system, then one optimization off at a time, in one run."""
+    full = bench.resolve("auto+c", s, n, None)
+    runs = [("all optimizations", full),
+            ("no policy search", naive_policy(bench, s, n)),
+            ("no overlap", full.replace(overlap=False)),
+            ("no CPU attention", bench.resolve("auto+c", s, n, None, cpu_attention="off")),
+            ("no compression", bench.resolve("auto", s, n, None))]
+    if full.w_disk_percent or full.cache_disk_percent or full.act_disk_percent:
+        runs.append(("no disk", bench.resolve("auto+c", s, n, None, no_disk=True)))
+    out, seen = [], {}
+    for label, p in runs:
+        if p in seen:  # the search chose the same policy: same measurement
+            rec = dict(seen[p], label=label, kind="ablation", same_policy_as=seen[p]["label"])
+        else:
+            rec = bench.run(label, p, s, n, kind="ablation")
+            seen[p] = rec
+        out.append(rec)
+    base = out[0]["gen_tok_s"]
+    for r in out:
+        r["ratio_to_full"] = r["gen_tok_s"] / base
+    if not any(r["label"] == "no disk" for r in out):
+        out.append({**out[0], "label": "no disk", "kind": "ablation", "same_policy_as": "all optimizations",
+                    "note": "the full system's policy uses no disk"})
+    return out
+
+
+def frontier(bench: Bench, s: int, n: int, shapes: list[tuple[int, int]]) -> list[dict[str, Any]]:
+    """The best policy for each block shape, run; latency is the block's prefill + decode."""
+    out = []
+    for g, b in shapes:
+        try:
+            p = bench.resolve("auto", s, n, None, shapes=[(g, b)])
+        except Exception as e:  # a shape that fits nowhere
+            print(f"frontier: {g}x{b} skipped: {e}", file=sys.stderr)
+            continue
+        r = bench.run(f"block {g}x{b}", p, s, n, kind="frontier")
+        r["latency_s"] = r["prefill_s"] + r["decode_s"]
+        out.append(r)
+    best = -1.0
+    for r in sorted(out, key=lambda r: r["latency_s"]):  # Pareto: no faster point has more throughput
+        r["pareto"] = r["gen_tok_s"] > best
+        best = max(best, r["gen_tok_s"])
+    return out
+
+
+def plot_frontier(points: list[dict[str, Any]], path: Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: frontier plot skipped (records are in the JSON)", file=sys.stderr)
+        return False
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.scatter([p["latency_s"] for p in points], [p["gen_tok_s"] for p in points], color="gray", label="runs")
+    par = sorted((p for p in points if p["pareto"]), key=lambda p: p["latency_s"])
+    ax.plot([p["latency_s"] for p in par], [p["gen_tok_s"] for p in par], "o-", color="C3", label="Pareto frontier")
+    for p in points:
+        ax.annotate(p["label"].replace("block ", ""), (p["latency_s"], p["gen_tok_s"]), fontsize=7,
+                    textcoords="offset points", xytext=(4, -8))
+    ax.set_xlabel("block latency (s)")
+    ax.set_ylabel("generation throughput (tokens/s)")
+    ax.set_title(f"{points[0]['model']}, {points[0]['prompt_len']}+{points[0]['gen_len']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", action="append", default=None)
+    ap.add_argument("--prompt-len", type=int, action="append", default=None)
+    ap.add_argument("--gen-len", type=int, action="append", default=None)
+    ap.add_argument("--policy", action="append", default=None)
+    ap.add_argument("--gpu-mem", default=None)
+    ap.add_argument("--cpu-mem", default=None)
+    ap.add_argument("--disk-mem", default=None)
+    ap.add_argument("--hardware", default=None, help="profile file or preset for predictions (default: this machine)")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--offload-dir", default=None)
+    ap.add_argument("--ablations", action="store_true")
+    ap.add_argument("--frontier", default=None, help="shapes, e.g. 1x1,8x1,32x1,32x2,48x2")
+    ap.add_argument("--baseline", type=int, default=None, metavar="BATCH", help="Accelerate baseline batch size")
+    ap.add_argument("--smoke", action="store_true", help="tiny models on the CPU, the whole suite")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/out"))
+    args = ap.parse_args(argv)
+    from flexoff.cli import parse_size
+
+    if args.smoke:
+        return smoke(args.out)
+    models = args.model or ["dummy:opt-6.7b"]
+    records: list[dict[str, Any]] = []
+    for model in models:
+        bench = Bench(model, parse_size(args.gpu_mem), parse_size(args.cpu_mem), parse_size(args.disk_mem),
+                      args.hardware, args.dtype, args.device, args.offload_dir)
+        try:
+            for s in args.prompt_len or [512]:
+                for n in args.gen_len or [32]:
+                    for text in args.policy or []:
+                        p = bench.resolve(parse_policy(text), s, n, None)
+                        records.append(bench.run(text, p, s, n))
+                        print(table(records[-1:], COLUMNS), flush=True)
+                    if args.ablations:
+                        records += ablations(bench, s, n)
+                    if args.frontier:
+                        shapes = [tuple(int(v) for v in x.split("x")) for x in args.frontier.split(",")]
+                        pts = frontier(bench, s, n, shapes)
+                        records += pts
+                        if pts:
+                            plot_frontier(pts, args.out / f"frontier-{model.replace(':', '_')}-{s}-{n}.png")
+        finally:
+            bench.close()
+        if args.baseline:
+            records += baseline(model, args, records)
+    finish(records, args.out)
+    return 0
+
+
+def baseline(model: str, args: argparse.Namespace, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    from baseline import accelerate_run
+    from flexoff.api import pick_device, pick_dtype
+    from flexoff.cli import parse_size
+
+    dtype = pick_dtype(args.dtype, pick_device(args.device))
+    out = []
+    for s in args.prompt_len or [512]:
+        for n in args.gen_len or [32]:
+            r = accelerate_run(model, s, n, args.baseline, parse_size(args.gpu_mem), parse_size(args.cpu_mem), dtype)
+            ours = [x for x in records if x["model"] == model and x["prompt_len"] == s and x["gen_len"] == n]
+            best = max(ours, key=lambda x: x["gen_tok_s"]) if ours else None
+            out.append({"kind": "baseline", "label": f"accelerate batch {args.baseline}", "model": model,
+                        "prompt_len": s, "gen_len": n, "gpu_mem": parse_size(args.gpu_mem), **r,
+                        "gen_tok_s": r["generation_throughput"],
+                        "flexoff_best_tok_s": best["gen_tok_s"] if best else None,
+                        "flexoff_best_policy": best["policy"] if best else None,
+                        "flexoff/accelerate": best["gen_tok_s"] / r["generation_throughput"] if best else None,
+                        **environment()})
+    return out
+
+
+def finish(records: list[dict[str, Any]], out: Path) -> None:
+    write_jsonl(out / "throughput.jsonl", records)
+    runs = [r for r in records if r["kind"] != "baseline"]
+    if runs:
+        print(table(runs, COLUMNS + ["ratio_to_full"]))
+    base = [r for r in records if r["kind"] == "baseline"]
+    if base:
+        print(table(base, ["label", "model", "gen_tok_s", "flexoff_best_tok_s", "flexoff/accelerate", "placement"]))
+    print(f"{len(records)} records appended to {out / 'throughput.jsonl'}")
+
+
+def smoke(out: Path) -> int:
+    """The whole suite on a tiny model on the CPU: matrix, ablations, frontier, baseline."""
+    import tempfile
+
+    from flexoff.policy import hardware as hwmod
+
+    t0 = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix="flexoff-smoke-"))
+    hw = hwmod.measure(str(tmp), quick=True)
+    hwmod.save(hw, tmp / "hw.json")
+    model, s, n = "dummy:llama-tiny", 48, 8
+    kw = dict(gpu_mem=2 << 20, cpu_mem=8 << 20, disk_mem=1 << 30)
+    bench = Bench(model, kw["gpu_mem"], kw["cpu_mem"], kw["disk_mem"], str(tmp / "hw.json"), "float32", "cpu", str(tmp))
+    records = []
+    try:
+        for text in ("auto", "4x2:0,100,0,100,100,0:a", "2x2:30,40,0,50,0,100:wk"):
+            records.append(bench.run(text, bench.resolve(parse_policy(text), s, n, None), s, n))
+        records += ablations(bench, s, n)
+        pts = frontier(bench, s, n, [(1, 1), (4, 1), (4, 4)])
+        records += pts
+        plot_frontier(pts, out / "frontier-smoke.png")
+    finally:
+        bench.close()
+    from baseline import accelerate_run
+
+    r = accelerate_run(model, s, n, 4, None, None, torch.float32)
+    best = max(records, key=lambda x: x["gen_tok_s"])
+    records.append({"kind": "baseline", "label": "accelerate batch 4", "model": model, "prompt_len": s, "gen_len": n,
+                    **r, "gen_tok_s": r["generation_throughput"], "flexoff_best_tok_s": best["gen_tok_s"],
+                    "flexoff/accelerate": best["gen_tok_s"] / r["generation_throughput"], **environment()})
+    finish(records, out)
+    print(f"smoke suite took {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""GPU checks, run on the device (skipped without CUDA): the engine's policy matrix in float16
+against transformers on the GPU, the Triton kernels against their references, and compression."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from flexoff import LLM, Policy
+from policy_matrix import pairwise
+from reference import PROMPTS, rel_err
+
+pytestmark = pytest.mark.gpu
+
+LOGIT_TOL = 1e-2  # max |logit difference| / max |logit|, float16 against float16 transformers
+
+
+@pytest.fixture(scope="module")
+def gpu_refs(tiny):
+    """transformers in float16 on the GPU: greedy tokens and per-step logits of PROMPTS."""
+    out = {}
+    for name, m in tiny.items():
+        hf = copy.deepcopy(m.hf).half().cuda()
+        refs = []
+        for p in PROMPTS:
+            g = hf.generate(torch.tensor([p], device="cuda"), attention_mask=torch.ones(1, len(p), dtype=torch.long,
+                            device="cuda"), max_new_tokens=8, do_sample=False, output_scores=True,
+                            return_dict_in_generate=True, pad_token_id=0)
+            refs.append((g.sequences[0, len(p):].tolist(), [s[0].float().cpu() for s in g.scores]))
+        out[name] = refs
+    return out
+
+
+def _run(llm: LLM, prompts):
+    logits: dict[str, list[torch.Tensor]] = {}
+
+    def grab(step, ids, lg):
+        for rid, row in zip(ids, lg):
+            logits.setdefault(rid, []).append(row.float().cpu())
+
+    out = llm.generate([{"prompt_ids": p} for p in prompts], max_new_tokens=8, on_logits=grab)
+    return [c.token_ids for c in out.completions], [logits[str(i)] for i in range(len(prompts))]
+
+
+EXTRA = [Policy(gpu_batch_size=5, w_gpu_percent=0, w_cpu_percent=100, cache_gpu_percent=0, cache_cpu_percent=100,
+                act_gpu_percent=0, act_cpu_percent=100, cpu_cache_compute=True),
+         Policy(gpu_batch_size=2, num_gpu_batches=3, w_gpu_percent=0, w_cpu_percent=0, cache_gpu_percent=0,
+                cache_cpu_percent=0, act_gpu_percent=0, act_cpu_percent=0)]
+
+
+@pytest.mark.parametrize("name", ["opt", "llama", "qwen2"])
+def test_policy_matrix_fp16_matches_transformers_on_gpu(tiny, gpu_refs, name):
+    with LLM(str(tiny[name].path), device="cuda", dtype="float16") as llm:
+        for p in pairwise() + EXTRA:
+            llm.policy_arg = p
+            tokens, logits = _run(llm, PROMPTS)
+            for (ref_t, ref_l), got_t, got_l in zip(gpu_refs[name], tokens, logits):
+                assert got_t == ref_t, p.describe()
+                assert max(rel_err(a, b) for a, b in zip(got_l, ref_l)) < LOGIT_TOL, p.describe()
+
+
+def test_kernels_equal_references_on_gpu():
+    from flexoff.kernels import quant as K
+    from flexoff.quant.format import QuantConfig, dequantize_rows, quantize_rows, to_rows
+
+    torch.manual_seed(0)
+    for bits, group, dtype in [(4, 64, torch.float16), (4, 32, torch.bfloat16), (8, 64, torch.float16)]:
+        cfg = QuantConfig(bits, group)
+        x = torch.randn(301, 7 * group, device="cuda", dtype=dtype)
+        got = K.quantize_rows(x, cfg)
+        want = quantize_rows(x.float(), cfg)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        d, s, m = want
+        assert torch.equal(K.dequantize_rows(d, s, m, cfg, dtype), dequantize_rows(d, s, m, cfg, dtype))
+        for rows in (1, 16, 64):
+            xx = torch.randn(rows, 301, device="cuda", dtype=torch.float16)
+            y = K.qmatmul(xx, d.view(301, -1), s.view(301, -1), m.view(301, -1), cfg, 7 * group - 5)
+            ref = xx.double() @ dequantize_rows(d, s, m, cfg, torch.float16).double()[:, :7 * group - 5]
+            assert ((y.double() - ref).norm() / ref.norm()) < 2e-3
+
+
+def test_compression_on_gpu_is_deterministic_under_placements(tiny):
+    with LLM(str(tiny["llama"].path), device="cuda", dtype="float16") as llm:
+        for p in pairwise()[::3] + EXTRA:
+            llm.policy_arg = p.replace(compress_weight=True, compress_cache=True, quant_group=16)
+            a, _ = _run(llm, PROMPTS)
+            b, _ = _run(llm, PROMPTS)
+            assert a == b and all(len(t) == 8 for t in a), p.describe()
+
+
+def test_budget_is_enforced_on_the_gpu(tiny):
+    from flexoff.errors import MemoryBudgetError
+
+    with LLM("dummy:opt-1.3b", device="cuda", gpu_mem=1 << 30, policy=Policy(gpu_batch_size=4)) as llm:
+        with pytest.raises(MemoryBudgetError, match="--gpu-mem"):
+            llm.generate(["hello"], max_new_tokens=2)
