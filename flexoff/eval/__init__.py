@@ -1,0 +1,1 @@
+"""The HELM-style offline evaluation harness (flexoff eval)."""
