@@ -81,10 +81,12 @@ class LLM:
         self.model: LoadedModel = load_model(model, allow_pickle)
         self.policy_arg = policy
         self.options = EngineOptions(offload_dir, Budgets(gpu_mem, cpu_mem, disk_mem))
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self._capped = gpu_mem is not None and self.device.type == "cuda"
         if self._capped:  # the allocator itself refuses more than the budget
             total = torch.cuda.get_device_properties(self.device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_mem / total), self.device)
+            torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_mem / total), self.device.index)
         self.seed = seed
         self.progress = progress
         self.hardware = hardware
@@ -232,7 +234,7 @@ class LLM:
             self.tiers.close()
             self.tiers = None
         if getattr(self, "_capped", False):
-            torch.cuda.set_per_process_memory_fraction(1.0, self.device)
+            torch.cuda.set_per_process_memory_fraction(1.0, self.device.index)
             self._capped = False
 
     # ---- generation ----------------------------------------------------

@@ -138,25 +138,70 @@ if HAVE_TRITON:
             tl.store(data_ptr + rows * sd + cols, q.to(tl.uint8), mask=rmask)
 
     @triton.jit
-    def _qmatmul_kernel(x_ptr, data_ptr, scale_ptr, mn_ptr, y_ptr, M, N, K, sx, sd, ss, sy,
-                        GROUP: tl.constexpr, BITS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                        BK: tl.constexpr):
-        """y[:, block] = x @ W[:, block]; W's codes are dequantized in registers, tile by tile."""
-        rm = tl.program_id(1) * BM + tl.arange(0, BM)[:, None]
-        cols = tl.program_id(0) * BN + tl.arange(0, BN)[None, :]
-        acc = tl.zeros((BM, BN), dtype=tl.float32)
-        for k0 in range(0, K, BK):
-            kx = k0 + tl.arange(0, BK)[None, :]
-            x = tl.load(x_ptr + rm * sx + kx, mask=(rm < M) & (kx < K), other=0.0)
-            kw = k0 + tl.arange(0, BK)[:, None]
-            wmask = (kw < K) & (cols < N)
-            q = _unpack(data_ptr, kw, cols, sd, wmask, BITS)
-            g = cols // GROUP
-            s = tl.load(scale_ptr + kw * ss + g, mask=wmask, other=0).to(tl.float32)
-            m = tl.load(mn_ptr + kw * ss + g, mask=wmask, other=0).to(tl.float32)
-            w = (q.to(tl.float32) * s + m).to(x.dtype)
-            acc += tl.dot(x, w)
-        tl.store(y_ptr + rm * sy + cols, acc.to(y_ptr.dtype.element_ty), mask=(rm < M) & (cols < N))
+    def _group_broadcast(t, ROWS: tl.constexpr, NG: tl.constexpr, HB: tl.constexpr):
+        """(ROWS, NG) per-group values repeated over each group's HB // NG byte columns."""
+        return tl.reshape(tl.broadcast_to(t[:, :, None], (ROWS, NG, HB // NG)), (ROWS, HB))
+
+    @triton.jit
+    def _dequant4_kernel(data_ptr, scale_ptr, mn_ptr, out_ptr, M, NB, sd, ss, so,
+                         GROUP: tl.constexpr, BM: tl.constexpr, HB: tl.constexpr, OUT_BF16: tl.constexpr):
+        """4-bit rows, a power-of-two group dividing 2 * HB: whole tiles of packed bytes; the low
+        and high nibbles are the even and odd columns, interleaved in registers."""
+        NG: tl.constexpr = 2 * HB // GROUP
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        bcols = tl.program_id(1) * HB + tl.arange(0, HB)
+        gcols = tl.program_id(1) * NG + tl.arange(0, NG)
+        rmask = rows[:, None] < M
+        b = tl.load(data_ptr + rows[:, None] * sd + bcols[None, :], mask=rmask & (bcols[None, :] < NB), other=0)
+        gmask = rmask & (gcols[None, :] < NB * 2 // GROUP)
+        s = tl.load(scale_ptr + rows[:, None] * ss + gcols[None, :], mask=gmask, other=0).to(tl.float32)
+        m = tl.load(mn_ptr + rows[:, None] * ss + gcols[None, :], mask=gmask, other=0).to(tl.float32)
+        s = _group_broadcast(s, BM, NG, HB)
+        m = _group_broadcast(m, BM, NG, HB)
+        b = b.to(tl.int32)
+        lo = (b & 0xF).to(tl.float32) * s + m
+        hi = (b >> 4).to(tl.float32) * s + m
+        if OUT_BF16:
+            lo = _to_bf16_grid(lo)
+            hi = _to_bf16_grid(hi)
+        out = tl.reshape(tl.join(lo, hi), (BM, 2 * HB))
+        cols = tl.program_id(1) * 2 * HB + tl.arange(0, 2 * HB)
+        tl.store(out_ptr + rows[:, None] * so + cols[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=rmask & (cols[None, :] < 2 * NB))
+
+    @triton.jit
+    def _qmatmul4_kernel(x_ptr, data_ptr, scale_ptr, mn_ptr, y_ptr, M, NB, K, sx, sd, ss, sy, K_SPLIT,
+                         GROUP: tl.constexpr, BM: tl.constexpr, HB: tl.constexpr, BK: tl.constexpr):
+        """y (M, 2 NB) += x (M, K) @ W for one block of output columns and one slice of K.
+        W's codes are unpacked and dequantized tile by tile in registers (never written to
+        memory); low and high nibbles feed two dots (even and odd columns); partial sums from
+        the K slices are added atomically in float32."""
+        NG: tl.constexpr = 2 * HB // GROUP
+        bcols = tl.program_id(0) * HB + tl.arange(0, HB)
+        gcols = tl.program_id(0) * NG + tl.arange(0, NG)
+        rm = tl.arange(0, BM)
+        acc_lo = tl.zeros((BM, HB), dtype=tl.float32)
+        acc_hi = tl.zeros((BM, HB), dtype=tl.float32)
+        k_begin = tl.program_id(1) * K_SPLIT
+        for k0 in range(k_begin, k_begin + K_SPLIT, BK):
+            kk = k0 + tl.arange(0, BK)
+            kmask = kk < K
+            x = tl.load(x_ptr + rm[:, None] * sx + kk[None, :], mask=(rm[:, None] < M) & kmask[None, :], other=0.0)
+            b = tl.load(data_ptr + kk[:, None] * sd + bcols[None, :],
+                        mask=kmask[:, None] & (bcols[None, :] < NB), other=0).to(tl.int32)
+            gmask = kmask[:, None] & (gcols[None, :] < NB * 2 // GROUP)
+            s = _group_broadcast(tl.load(scale_ptr + kk[:, None] * ss + gcols[None, :], mask=gmask,
+                                         other=0).to(tl.float32), BK, NG, HB)
+            m = _group_broadcast(tl.load(mn_ptr + kk[:, None] * ss + gcols[None, :], mask=gmask,
+                                         other=0).to(tl.float32), BK, NG, HB)
+            lo = ((b & 0xF).to(tl.float32) * s + m).to(x.dtype)
+            hi = ((b >> 4).to(tl.float32) * s + m).to(x.dtype)
+            acc_lo += tl.dot(x, lo)
+            acc_hi += tl.dot(x, hi)
+        out = tl.reshape(tl.join(acc_lo, acc_hi), (BM, 2 * HB))
+        cols = tl.program_id(0) * 2 * HB + tl.arange(0, 2 * HB)
+        tl.atomic_add(y_ptr + rm[:, None] * sy + cols[None, :], out,
+                      mask=(rm[:, None] < M) & (cols[None, :] < 2 * NB))
 
 
 def _rows_ok(t: torch.Tensor) -> torch.Tensor:
@@ -164,11 +209,27 @@ def _rows_ok(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _fast4(cfg: QuantConfig, width: int) -> bool:
+    """The tiled 4-bit kernels apply: a power-of-two group that divides a tile of `width` values."""
+    return cfg.bits == 4 and cfg.group & (cfg.group - 1) == 0 and width % cfg.group == 0
+
+
+DEQUANT_TILE = {"BM": 16, "HB": 256, "num_warps": 8}  # tuned on an H200 (benchmarks/kernels.py --tune)
+QMATMUL_TILE = {"HB": 64, "BK": 64, "waves": 4, "num_warps": 4, "num_stages": 3}
+
+
 def dequantize_rows_triton(data: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, cfg: QuantConfig,
-                           dtype: torch.dtype) -> torch.Tensor:
+                           dtype: torch.dtype, **tile: int) -> torch.Tensor:
     data, scale, mn = _rows_ok(data), _rows_ok(scale), _rows_ok(mn)
     M, N = data.shape[0], data.shape[1] * 8 // cfg.bits
     out = torch.empty(M, N, dtype=dtype, device=data.device)
+    t = {**DEQUANT_TILE, **tile}
+    if _fast4(cfg, 2 * t["HB"]):
+        grid = (triton.cdiv(M, t["BM"]), triton.cdiv(data.shape[1], t["HB"]))
+        _dequant4_kernel[grid](data, scale, mn, out, M, data.shape[1], data.stride(0), scale.stride(0),
+                               out.stride(0), GROUP=cfg.group, BM=t["BM"], HB=t["HB"],
+                               OUT_BF16=dtype == torch.bfloat16, num_warps=t["num_warps"])
+        return out
     BM, BN = 8, 256
     grid = (triton.cdiv(M, BM), triton.cdiv(N, BN))
     _dequant_kernel[grid](data, scale, mn, out, M, N, data.stride(0), scale.stride(0), out.stride(0),
@@ -191,14 +252,25 @@ def quantize_rows_triton(rows: torch.Tensor, cfg: QuantConfig) -> tuple[torch.Te
 
 
 def qmatmul_triton(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, cfg: QuantConfig,
-                   n: int) -> torch.Tensor:
+                   n: int, **tile: int) -> torch.Tensor:
+    """x (m, k) @ W (k, n) with W's 4-bit rows dequantized in registers; m up to 64. Other
+    formats (8 bits, groups the tiles cannot hold) dequantize first."""
+    t = {**QMATMUL_TILE, **tile}
+    HB, BK = t["HB"], t["BK"]  # byte columns (2 * HB outputs) and rows of W per step
+    if not _fast4(cfg, 2 * HB):
+        return qmatmul_ref(x, data, scale, mn, cfg, n)
     x, data, scale, mn = _rows_ok(x), _rows_ok(data), _rows_ok(scale), _rows_ok(mn)
     M, K = x.shape
-    assert data.shape[0] == K
-    y = torch.empty(M, n, dtype=x.dtype, device=x.device)
-    BM = 16 if M <= 16 else (32 if M <= 32 else 64)
-    BN, BK = 64, 64
-    grid = (triton.cdiv(n, BN), triton.cdiv(M, BM))
-    _qmatmul_kernel[grid](x, data, scale, mn, y, M, n, K, x.stride(0), data.stride(0), scale.stride(0),
-                          y.stride(0), GROUP=cfg.group, BITS=cfg.bits, BM=BM, BN=BN, BK=BK)
-    return y
+    assert data.shape[0] == K and M <= FUSED_MAX_ROWS
+    NB = data.shape[1]
+    y = torch.zeros(M, 2 * NB, dtype=torch.float32, device=x.device)
+    BM = max(16, triton.next_power_of_2(M))
+    blocks = triton.cdiv(NB, HB)
+    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+    splits = max(1, min(triton.cdiv(K, BK), t["waves"] * sms // blocks))  # enough programs to fill the GPU
+    k_split = triton.cdiv(triton.cdiv(K, splits), BK) * BK
+    grid = (blocks, triton.cdiv(K, k_split))
+    _qmatmul4_kernel[grid](x, data, scale, mn, y, M, NB, K, x.stride(0), data.stride(0), scale.stride(0),
+                           y.stride(0), k_split, GROUP=cfg.group, BM=BM, HB=HB, BK=BK, num_warps=t["num_warps"],
+                           num_stages=t["num_stages"])
+    return y[:, :n].to(x.dtype)

@@ -26,6 +26,7 @@ def packed(rows: int, n: int, cfg: QuantConfig, stride_pad: int = 0):
 
 @pytest.mark.parametrize("rows,n,bits,group,pad", [
     (1, 64, 4, 64, 0), (37, 384, 4, 64, 3), (130, 96, 4, 6, 0), (5, 256, 8, 32, 7), (9, 1000, 4, 10, 1),
+    (20, 1536, 4, 128, 0), (3, 2048, 4, 16, 5),
 ])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_dequantize_equals_reference(rows, n, bits, group, pad, dtype):
@@ -46,7 +47,8 @@ def test_quantize_equals_reference(rows, n, bits, group, dtype):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("m,k,n,group", [(1, 64, 64, 64), (3, 97, 130, 64), (16, 128, 200, 8), (40, 70, 64, 32)])
+@pytest.mark.parametrize("m,k,n,group", [(1, 64, 64, 64), (3, 97, 130, 64), (16, 128, 200, 8), (40, 70, 64, 32),
+                                          (2, 200, 300, 6), (64, 300, 1000, 128)])
 def test_fused_qmatmul_matches_dequantize_then_matmul(m, k, n, group):
     cfg = QuantConfig(4, group)
     d, s, mn = packed(k, n, cfg)
