@@ -9,6 +9,9 @@
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a model hub at run time
+# Loading and prefill make temporaries of many sizes; growable segments keep the CUDA allocator
+# from fragmenting under a --gpu-mem cap (read by torch when CUDA starts, so set it first).
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 from flexoff.api import LLM, GenerationOutput  # noqa: E402

@@ -221,6 +221,8 @@ class LLM:
                 new.fill(j, m.source.layer(j, layer, self.dtype, src_dev))
         if old is not None:
             old.release()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the loading temporaries' blocks go back for compute
 
     def close(self) -> None:
         """Give back every buffer: the engine's, the weights', the offload folder."""

@@ -30,7 +30,7 @@ try:
 except ImportError:  # CPU-only installs without triton use the references
     HAVE_TRITON = False
 
-FUSED_MAX_ROWS = 64  # x rows up to which qmatmul uses the fused kernel
+FUSED_MAX_ROWS = 32  # x rows up to which qmatmul uses the fused kernel (faster than dequantize + matmul)
 
 
 def _use_triton(t: torch.Tensor) -> bool:
@@ -214,8 +214,8 @@ def _fast4(cfg: QuantConfig, width: int) -> bool:
     return cfg.bits == 4 and cfg.group & (cfg.group - 1) == 0 and width % cfg.group == 0
 
 
-DEQUANT_TILE = {"BM": 16, "HB": 256, "num_warps": 8}  # tuned on an H200 (benchmarks/kernels.py --tune)
-QMATMUL_TILE = {"HB": 64, "BK": 64, "waves": 4, "num_warps": 4, "num_stages": 3}
+DEQUANT_TILE = {"BM": 16, "HB": 512, "num_warps": 4}  # tuned on an H200 (benchmarks/kernels.py --tune)
+QMATMUL_TILE = {"HB": 128, "BK": 64, "waves": 2, "num_warps": 4, "num_stages": 4}
 
 
 def dequantize_rows_triton(data: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, cfg: QuantConfig,
@@ -261,7 +261,7 @@ def qmatmul_triton(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, mn:
         return qmatmul_ref(x, data, scale, mn, cfg, n)
     x, data, scale, mn = _rows_ok(x), _rows_ok(data), _rows_ok(scale), _rows_ok(mn)
     M, K = x.shape
-    assert data.shape[0] == K and M <= FUSED_MAX_ROWS
+    assert data.shape[0] == K and M <= 64  # the kernel's limit; dispatch uses it up to FUSED_MAX_ROWS
     NB = data.shape[1]
     y = torch.zeros(M, 2 * NB, dtype=torch.float32, device=x.device)
     BM = max(16, triton.next_power_of_2(M))
