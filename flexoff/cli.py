@@ -266,6 +266,78 @@ def policy_search(model: str, prompt_len: int, gen_len: int, num_prompts: int | 
         click.echo(f"wrote {json_path}")
 
 
+@cli.group("eval")
+def eval_group() -> None:
+    """HELM-style offline evaluation."""
+
+
+@eval_group.command("run")
+@click.option("--run-entries", "entries", multiple=True, metavar="SCENARIO:KEY=VALUE,...",
+              help="e.g. synthetic_reasoning:mode=pattern_match (repeatable).")
+@click.option("--conf-paths", "confs", multiple=True, type=click.Path(dir_okay=False),
+              help="YAML or JSON files listing run entries.")
+@click.option("--model", default=None, help="As for `flexoff run`.")
+@click.option("--max-eval-instances", type=click.IntRange(min=1), default=None)
+@click.option("--suite", default="default", show_default=True)
+@click.option("--output-path", default="benchmark_output", show_default=True, type=click.Path(file_okay=False))
+@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto")
+@click.option("--device", default="auto")
+@click.option("--quiet", "-q", is_flag=True)
+@policy_options
+def eval_run(entries: tuple[str, ...], confs: tuple[str, ...], model: str | None, max_eval_instances: int | None,
+             suite: str, output_path: str, dtype: str, device: str, quiet: bool, policy_arg: Any, percent: Any,
+             gpu_batch_size: Any, num_gpu_batches: Any, cpu_cache_compute: Any, no_overlap: Any, compress_weight: Any,
+             compress_cache: Any, gpu_mem: Any, cpu_mem: Any, disk_mem: Any, offload_dir: Any, hardware: Any) -> None:
+    """Run evaluations; each lands in OUTPUT/runs/SUITE/RUN_NAME/ and resumes if interrupted."""
+    from tqdm import tqdm
+
+    from flexoff.api import LLM
+    from flexoff.errors import InputError
+    from flexoff.eval.runner import evaluate, prompts_for
+    from flexoff.eval.runspec import parse_entry, read_entries
+
+    all_entries = list(entries) + [e for c in confs for e in read_entries(c)]
+    if not all_entries:
+        raise InputError("give --run-entries or --conf-paths")
+    policy = build_policy(policy_arg, percent, gpu_batch_size, num_gpu_batches, cpu_cache_compute,
+                          no_overlap, compress_weight, compress_cache)
+    name = model or "smollm2"
+    runs = [parse_entry(e, name) for e in all_entries]
+    llm = LLM(model, policy=policy, device=device, dtype=dtype, offload_dir=offload_dir, gpu_mem=gpu_mem,
+              cpu_mem=cpu_mem, disk_mem=disk_mem, hardware=hardware, progress=False,
+              compression=("on" if compress_weight else "off", "on" if compress_cache else "off"))
+    results = []
+    try:
+        for run in runs:
+            total = len(prompts_for(run, llm, max_eval_instances))
+            with tqdm(total=total, desc=run.name[:60], unit="instance", disable=quiet) as bar:
+                results.append(evaluate(llm, run, output_path, suite, max_eval_instances, bar.update))
+    finally:
+        llm.close()
+    keys = ["exact_match", "quasi_exact_match", "f1_score", "rouge_l", "perplexity", "actual_throughput",
+            "padded_throughput"]
+    click.echo(f"{'run':60} {'n':>5} " + " ".join(f"{k[:14]:>14}" for k in keys))
+    for r in results:
+        vals = " ".join(f"{r.stats[k]:14.4g}" if r.stats.get(k) is not None else f"{'-':>14}" for k in keys)
+        click.echo(f"{r.run.name[:60]:60} {r.instances:5d} {vals}")
+    for r in results:
+        if r.resumed:
+            click.echo(f"resumed {r.run.name}: {r.resumed} of {r.instances} instances were already done", err=True)
+    click.echo(f"results in {Path(output_path) / 'runs' / suite}", err=True)
+
+
+@eval_group.command("summarize")
+@click.option("--suite", default="default", show_default=True)
+@click.option("--output-path", default="benchmark_output", show_default=True, type=click.Path(file_okay=False))
+def eval_summarize(suite: str, output_path: str) -> None:
+    """Write summary.md and summary.json across the suite's runs, and print the table."""
+    from flexoff.eval.summarize import summarize
+
+    md, _ = summarize(output_path, suite)
+    click.echo(md, nl=False)
+    click.echo(f"wrote {Path(output_path) / 'runs' / suite / 'summary.md'} and summary.json", err=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point: user errors are one line on stderr and exit code 2."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run cleanups (offload folder) on kill

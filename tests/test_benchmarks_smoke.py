@@ -1,0 +1,36 @@
+"""The benchmark suite's smoke mode runs on the CPU and writes well-formed records."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN_KEYS = {"kind", "label", "model", "prompt_len", "gen_len", "policy", "policy_json", "prefill_s", "decode_s",
+            "gen_tok_s", "decode_tok_s", "peak_bytes", "device", "torch", "commit", "predicted_tok_s",
+            "predicted_prefill_s", "predicted_decode_s", "measured/predicted", "decode_bound_s", "pcie_bound_s",
+            "gpu_mem", "cpu_mem", "disk_mem", "traffic_decode"}
+
+
+def test_smoke_suite_writes_valid_records(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--smoke", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    recs = [json.loads(l) for l in (tmp_path / "throughput.jsonl").read_text().splitlines()]
+    kinds = {r["kind"] for r in recs}
+    assert kinds == {"run", "ablation", "frontier", "baseline"}
+    for r in recs:
+        if r["kind"] == "baseline":
+            assert r["generation_throughput"] > 0 and r["flexoff/accelerate"] > 0
+            continue
+        assert RUN_KEYS <= set(r), RUN_KEYS - set(r)
+        assert r["prefill_s"] > 0 and r["decode_s"] > 0 and r["gen_tok_s"] > 0 and r["predicted_tok_s"] > 0
+        assert r["gen_len"] == 8 and r["prompt_len"] == 48
+    labels = [r["label"] for r in recs if r["kind"] == "ablation"]
+    assert labels[:5] == ["all optimizations", "no policy search", "no overlap", "no CPU attention", "no compression"]
+    assert "no disk" in labels
+    assert all(r["ratio_to_full"] > 0 for r in recs if r["kind"] == "ablation")
+    front = [r for r in recs if r["kind"] == "frontier"]
+    assert any(r["pareto"] for r in front) and all(r["latency_s"] > 0 for r in front)
