@@ -46,10 +46,13 @@ def parse_policy(text: str) -> Any:
 
 
 class Bench:
-    """One model and memory budget: runs policies back to back, weights staying resident."""
+    """One model and memory budget: runs policies back to back, weights staying resident. Each
+    record is appended to OUT/throughput.jsonl as soon as its run ends; a policy already measured
+    in this session (same lengths) is not run again; past `deadline` no new run starts."""
 
     def __init__(self, model: str, gpu_mem: int | None, cpu_mem: int | None, disk_mem: int | None,
-                 hardware: str | None, dtype: str, device: str, offload_dir: str | None):
+                 hardware: str | None, dtype: str, device: str, offload_dir: str | None,
+                 out: Path | None = None, deadline: float = float("inf")):
         from flexoff import LLM
         from flexoff.policy import hardware as hwmod
 
@@ -59,6 +62,8 @@ class Bench:
         self.hw = hwmod.load(hardware, offload_dir)
         self.budgets = {"gpu_mem": gpu_mem, "cpu_mem": cpu_mem, "disk_mem": disk_mem}
         self.env = environment()
+        self.out, self.deadline = out, deadline
+        self.done: dict[tuple, dict[str, Any]] = {}  # (policy, lengths) -> record
 
     def resolve(self, spec: Any, prompt_len: int, gen_len: int, n: int | None, **search: Any) -> Any:
         from flexoff.autopolicy import auto_policy
@@ -69,7 +74,31 @@ class Bench:
         return spec
 
     def run(self, label: str, policy: Any, prompt_len: int, gen_len: int, num_prompts: int | None = None,
-            kind: str = "run") -> dict[str, Any]:
+            kind: str = "run") -> dict[str, Any] | None:
+        """A full run of one block (or num_prompts prompts); None once past the deadline."""
+        key = (policy, prompt_len, gen_len, num_prompts)
+        if key in self.done:
+            return dict(self.done[key], label=label, kind=kind, same_run_as=self.done[key]["label"])
+        if time.time() > self.deadline:
+            print(f"skipped {label}: past the time budget", file=sys.stderr, flush=True)
+            return None
+        try:
+            rec = self._measure(label, policy, prompt_len, gen_len, num_prompts, kind)
+        except Exception as e:  # e.g. a hand-written policy over the budget: recorded, not fatal
+            print(f"{label}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            if self.out is not None:
+                write_jsonl(self.out / "errors.jsonl", [{"label": label, "policy": policy.describe(),
+                                                          "error": f"{type(e).__name__}: {e}"}])
+            self.llm.close()  # start the next run from a clean state
+            return None
+        self.done[key] = rec
+        if self.out is not None:
+            write_jsonl(self.out / "runs.jsonl", [rec])  # every run as it ends (survives a timeout)
+        print(table([rec], COLUMNS), flush=True)
+        return rec
+
+    def _measure(self, label: str, policy: Any, prompt_len: int, gen_len: int, num_prompts: int | None,
+                 kind: str) -> dict[str, Any]:
         from flexoff.policy.cost_model import Choice, CostModel, Workload
         from flexoff.offload.placement import row_split
 
@@ -89,7 +118,6 @@ class Bench:
         frac = {"wg": p.w_gpu_percent / 100, "wc": p.w_cpu_percent / 100, "wd": p.w_disk_percent / 100,
                 **{f"c{t[0]}": cr[t] / p.gpu_batch_size for t in ("gpu", "cpu", "disk")},
                 **{f"h{t[0]}": hr[t] / p.gpu_batch_size for t in ("gpu", "cpu", "disk")}}
-        frac = {k.replace("cg", "cg").replace("cc", "cc").replace("cd", "cd"): v for k, v in frac.items()}
         ch = Choice(p.gpu_batch_size, p.num_gpu_batches, p.compress_weight, p.compress_cache,
                     p.cpu_cache_compute, p.overlap, p.quant_bits, p.quant_group)
         pred = CostModel(spec, self.hw, Workload(prompt_len, gen_len, self.llm.dtype.itemsize, n), ch).evaluate(frac)
@@ -146,14 +174,9 @@ def ablations(bench: Bench, s: int, n: int) -> list[dict[str, Any]]:
             ("no compression", bench.resolve("auto", s, n, None))]
     if full.w_disk_percent or full.cache_disk_percent or full.act_disk_percent:
         runs.append(("no disk", bench.resolve("auto+c", s, n, None, no_disk=True)))
-    out, seen = [], {}
-    for label, p in runs:
-        if p in seen:  # the search chose the same policy: same measurement
-            rec = dict(seen[p], label=label, kind="ablation", same_policy_as=seen[p]["label"])
-        else:
-            rec = bench.run(label, p, s, n, kind="ablation")
-            seen[p] = rec
-        out.append(rec)
+    out = [r for r in (bench.run(label, p, s, n, kind="ablation") for label, p in runs) if r is not None]
+    if not out or out[0]["label"] != "all optimizations":
+        return out
     base = out[0]["gen_tok_s"]
     for r in out:
         r["ratio_to_full"] = r["gen_tok_s"] / base
@@ -173,8 +196,15 @@ def frontier(bench: Bench, s: int, n: int, shapes: list[tuple[int, int]]) -> lis
             print(f"frontier: {g}x{b} skipped: {e}", file=sys.stderr)
             continue
         r = bench.run(f"block {g}x{b}", p, s, n, kind="frontier")
-        r["latency_s"] = r["prefill_s"] + r["decode_s"]
-        out.append(r)
+        if r is not None:
+            out.append(r)
+    return out
+
+
+def pareto(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Frontier points: every run of one model and workload, latency = the block's prefill + decode;
+    a point is on the Pareto frontier if no faster point has more throughput."""
+    out = [dict(r, kind="frontier", latency_s=r["prefill_s"] + r["decode_s"]) for r in runs]
     best = -1.0
     for r in sorted(out, key=lambda r: r["latency_s"]):  # Pareto: no faster point has more throughput
         r["pareto"] = r["gen_tok_s"] > best
@@ -224,38 +254,57 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--frontier", default=None, help="shapes, e.g. 1x1,8x1,32x1,32x2,48x2")
     ap.add_argument("--baseline", type=int, default=None, metavar="BATCH", help="Accelerate baseline batch size")
     ap.add_argument("--smoke", action="store_true", help="tiny models on the CPU, the whole suite")
+    ap.add_argument("--time-budget", type=float, default=None, help="seconds after which no new run starts")
+    ap.add_argument("--no-flexoff", action="store_true", help="only the baseline")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     args = ap.parse_args(argv)
     from flexoff.cli import parse_size
 
     if args.smoke:
         return smoke(args.out)
+    deadline = time.time() + args.time_budget if args.time_budget else float("inf")
     models = args.model or ["dummy:opt-6.7b"]
     records: list[dict[str, Any]] = []
     for model in models:
-        bench = Bench(model, parse_size(args.gpu_mem), parse_size(args.cpu_mem), parse_size(args.disk_mem),
-                      args.hardware, args.dtype, args.device, args.offload_dir)
-        try:
-            for s in args.prompt_len or [512]:
-                for n in args.gen_len or [32]:
-                    for text in args.policy or []:
-                        p = bench.resolve(parse_policy(text), s, n, None)
-                        records.append(bench.run(text, p, s, n))
-                        print(table(records[-1:], COLUMNS), flush=True)
-                    if args.ablations:
-                        records += ablations(bench, s, n)
-                    if args.frontier:
-                        shapes = [tuple(int(v) for v in x.split("x")) for x in args.frontier.split(",")]
-                        pts = frontier(bench, s, n, shapes)
-                        records += pts
-                        if pts:
-                            plot_frontier(pts, args.out / f"frontier-{model.replace(':', '_')}-{s}-{n}.png")
-        finally:
-            bench.close()
+        if not args.no_flexoff:
+            bench = Bench(model, parse_size(args.gpu_mem), parse_size(args.cpu_mem), parse_size(args.disk_mem),
+                          args.hardware, args.dtype, args.device, args.offload_dir, args.out, deadline)
+            try:
+                for s in args.prompt_len or [512]:
+                    for n in args.gen_len or [32]:
+                        records += sweep(bench, args, model, s, n)
+            finally:
+                bench.close()
         if args.baseline:
             records += baseline(model, args, records)
     finish(records, args.out)
     return 0
+
+
+def sweep(bench: Bench, args: argparse.Namespace, model: str, s: int, n: int) -> list[dict[str, Any]]:
+    """The policies, ablations and frontier shapes asked for, at one workload; the frontier
+    is drawn from every run of the workload."""
+    out = []
+    for text in args.policy or []:
+        try:
+            p = bench.resolve(parse_policy(text), s, n, None)
+        except Exception as e:
+            print(f"{text}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            continue
+        r = bench.run(text, p, s, n)
+        if r is not None:
+            out.append(r)
+    if args.ablations:
+        out += ablations(bench, s, n)
+    if args.frontier:
+        shapes = [tuple(int(v) for v in x.split("x")) for x in args.frontier.split(",")]
+        frontier(bench, s, n, shapes)
+    runs = list({id(r): r for r in bench.done.values() if r["prompt_len"] == s and r["gen_len"] == n}.values())
+    if args.frontier and runs:
+        pts = pareto(runs)
+        out += pts
+        plot_frontier(pts, args.out / f"frontier-{model.replace(':', '_')}-{s}-{n}.png")
+    return out
 
 
 def baseline(model: str, args: argparse.Namespace, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -303,13 +352,16 @@ def smoke(out: Path) -> int:
     hwmod.save(hw, tmp / "hw.json")
     model, s, n = "dummy:llama-tiny", 48, 8
     kw = dict(gpu_mem=2 << 20, cpu_mem=8 << 20, disk_mem=1 << 30)
-    bench = Bench(model, kw["gpu_mem"], kw["cpu_mem"], kw["disk_mem"], str(tmp / "hw.json"), "float32", "cpu", str(tmp))
+    bench = Bench(model, kw["gpu_mem"], kw["cpu_mem"], kw["disk_mem"], str(tmp / "hw.json"), "float32", "cpu", str(tmp),
+                  out)
     records = []
     try:
         for text in ("auto", "4x2:0,100,0,100,100,0:a", "2x2:30,40,0,50,0,100:wk"):
             records.append(bench.run(text, bench.resolve(parse_policy(text), s, n, None), s, n))
+        records = [r for r in records if r is not None]
         records += ablations(bench, s, n)
-        pts = frontier(bench, s, n, [(1, 1), (4, 1), (4, 4)])
+        frontier(bench, s, n, [(1, 1), (4, 1), (4, 4)])
+        pts = pareto(list(bench.done.values()))
         records += pts
         plot_frontier(pts, out / "frontier-smoke.png")
     finally:

@@ -193,7 +193,7 @@ class LLM:
         engine = Engine(m.family, m.spec, policy, device=self.device, dtype=self.dtype,
                         max_prompt=max_prompt, max_gen=max_gen, offload_dir=self.options.offload_dir,
                         budgets=self.options.budgets, weight_format=fmt, kv_codec=codec, tiers=self.tiers,
-                        weights=old if reuse else None, credit=old.mem.held() if old is not None else None)
+                        weights=old if reuse else None, credit=self._credit(old))
         if not reuse:
             try:
                 self._place_weights(engine.detach_weights(), old)
@@ -203,6 +203,13 @@ class LLM:
                 raise
         self.engine = engine
         return engine
+
+    def _credit(self, weights: Any) -> dict[str, int]:
+        """Memory already held that a new engine may count as free: the current weights (kept
+        or moved) and pooled pinned buffers."""
+        credit = dict(weights.mem.held()) if weights is not None else {"gpu": 0, "cpu": 0, "disk": 0}
+        credit["cpu"] += self.tiers.cpu.pooled
+        return credit
 
     def _place_weights(self, new: Any, old: Any) -> None:
         m = self.model

@@ -63,6 +63,8 @@ def plan_memory(spec: ModelSpec, layouts: list[Layout], kv_rec_bytes: int, polic
     plan.add("buffers", {"cpu": pinned})
     device = "cuda" if cuda else "cpu"
     working = spec.working_bytes(policy.gpu_batch_size, max_prompt, elem, device) + (GPU_RESERVE if cuda else 0)
+    if policy.compress_weight:
+        working += spec.largest_matmul_bytes(elem)
     plan.add("working", {"gpu": working})
     return plan
 

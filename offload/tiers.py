@@ -24,36 +24,66 @@ PAGE = 4096
 
 
 class MemTier:
-    """Byte buffers in GPU or host memory, with accounting."""
+    """Byte buffers in GPU or host memory, with accounting.
+
+    Pinned host buffers are expensive to make (every page is touched and locked), so freed ones
+    wait in a pool for the next engine: a request reuses a pooled buffer of about its size, and a
+    request that none fits empties the pool first, so the pool never adds to the peak."""
+
+    REUSE = 1.25  # a pooled buffer serves requests down to 1 / REUSE of its size
 
     def __init__(self, name: str, device: torch.device, pin: bool = False):
         self.name, self.device, self.pin = name, device, pin
         self.used = 0
         self.peak = 0
-        self._pinned: dict[int, torch.Tensor] = {}  # registered host buffers, by address
+        self._pinned: dict[int, torch.Tensor] = {}  # registered host buffers in use, by address
+        self._pool: list[torch.Tensor] = []  # registered host buffers free for reuse
+
+    @property
+    def pooled(self) -> int:
+        return sum(t.numel() for t in self._pool)
 
     def alloc(self, nbytes: int) -> torch.Tensor:
-        if self.pin and nbytes > 0:  # page-aligned, then pinned in place
-            raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
-            off = -raw.data_ptr() % PAGE
-            t = raw[off:off + nbytes]
-            _host_register(t)
+        if self.pin and nbytes > 0:
+            t = self._reuse(nbytes)
+            if t is None:  # page-aligned, then pinned in place
+                self.trim()
+                raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+                off = -raw.data_ptr() % PAGE
+                t = raw[off:off + nbytes]
+                _host_register(t)
             self._pinned[t.data_ptr()] = t
+            t = t[:nbytes]
         else:
             t = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
         self.used += nbytes
         self.peak = max(self.peak, self.used)
         return t
 
+    def _reuse(self, nbytes: int) -> torch.Tensor | None:
+        fits = [t for t in self._pool if nbytes <= t.numel() <= nbytes * self.REUSE]
+        if not fits:
+            return None
+        best = min(fits, key=lambda t: t.numel())
+        self._pool.remove(best)
+        return best
+
     def free(self, t: torch.Tensor, nbytes: int) -> None:
-        """Give a buffer back (the caller drops its last reference)."""
+        """Give a buffer back (the caller drops its last reference); pinned ones are pooled."""
         pinned = self._pinned.pop(t.data_ptr(), None)
         if pinned is not None:
-            _host_unregister(pinned)
+            self._pool.append(pinned)
         self.used -= nbytes
+
+    def trim(self) -> None:
+        """Unpin and release the pooled buffers."""
+        for t in self._pool:
+            _host_unregister(t)
+        self._pool.clear()
 
     def close(self) -> None:
         """Unpin everything (before the memory goes back to the allocator, which may reuse it)."""
+        self.trim()
         for t in self._pinned.values():
             _host_unregister(t)
         self._pinned.clear()

@@ -162,6 +162,8 @@ class CostModel:
         staged = x["cd"] + (0 if ch.cpu_cache_compute else x["cc"])
         working = self.spec.working_bytes(ch.gpu_batch_size, s, self.work.elem_bytes, self.hw.device)
         working += GPU_RESERVE if self.hw.device == "cuda" else 0
+        if ch.compress_weight:  # a compressed weight is dequantized into a temporary at prefill
+            working += self.spec.largest_matmul_bytes(self.work.elem_bytes)
         return {
             "gpu": x["wg"] * self.W_total + 2 * (1 - x["wg"]) * self.W_max + x["cg"] * cache
             + 2 * ch.gpu_batch_size * staged * (s + n) * self.kv + x["hg"] * act + working,

@@ -92,6 +92,11 @@ class ModelSpec:
         """Bytes of the hidden state of one token between two layers."""
         return int(self.hidden_size * elem_bytes)
 
+    def largest_matmul_bytes(self, elem_bytes: int) -> int:
+        """Bytes of the largest matmul weight in the compute dtype (a compressed weight is
+        dequantized into a temporary this big at prefill shapes)."""
+        return max(math.prod(t.shape) for l in self.layers for t in l.tensors if t.matmul) * elem_bytes
+
     def working_bytes(self, batch: int, seq: int, elem_bytes: int, device: str = "cuda") -> int:
         """Transient memory of computing the largest layer on `batch` sequences of `seq` tokens
         (FlexGen's gpu_w working term): hidden states, q/k/v and MLP intermediates in the compute

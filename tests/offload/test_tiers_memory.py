@@ -148,3 +148,27 @@ def test_weights_stay_resident_or_move_between_policies(tiny, tiny_refs):
         assert stores[0] is stores[1] and stores[1] is not stores[2] and stores[2] is not stores[3]
     assert outs[0] == outs[1] == outs[2] == outs[4] == want
     assert all(len(t) == 8 for t in outs[3])
+
+
+def test_pinned_pool_reuses_and_trims(monkeypatch):
+    """Freed pinned host buffers serve later requests of about their size; a request that none
+    fits empties the pool first (so pooling never raises the peak)."""
+    from flexoff.offload import tiers
+
+    pinned, unpinned = [], []
+    monkeypatch.setattr(tiers, "_host_register", lambda t: pinned.append(t.data_ptr()))
+    monkeypatch.setattr(tiers, "_host_unregister", lambda t: unpinned.append(t.data_ptr()))
+    mem = tiers.MemTier("cpu", torch.device("cpu"), pin=True)
+    a, b = mem.alloc(1000), mem.alloc(1000)
+    assert a.data_ptr() % tiers.PAGE == 0 and a.numel() == 1000 and len(pinned) == 2
+    mem.free(a, 1000)
+    mem.free(b, 1000)
+    assert mem.used == 0 and mem.pooled == 2000 and unpinned == []
+    c = mem.alloc(900)  # reuses a pooled buffer: no new pinning
+    assert len(pinned) == 2 and c.numel() == 900 and mem.pooled == 1000
+    d = mem.alloc(5000)  # nothing fits: the pool is released, then a new buffer is pinned
+    assert len(unpinned) == 1 and mem.pooled == 0 and len(pinned) == 3
+    mem.free(c, 900)
+    mem.free(d, 5000)
+    mem.close()
+    assert len(unpinned) == 3 and mem.pooled == 0
