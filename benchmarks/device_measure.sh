@@ -2,6 +2,7 @@
 # The device measurements behind benchmarks/RESULTS.md, in two calls that each fit a 10-minute lease:
 #   PHASE=A bash benchmarks/device_measure.sh OUT   # OPT-30B 512+32, 16 GiB GPU: policies, ablations, frontier
 #   PHASE=B bash benchmarks/device_measure.sh OUT   # eval run on OPT-30B; the Accelerate baseline
+#   PHASE=C bash benchmarks/device_measure.sh OUT   # a shortened A and B in one lease
 # Predictions use benchmarks/data/h200-measured.json (flexoff profile on the device, with CPU attention
 # measured at OPT-30B's decode shape by benchmarks/cpu_attention.py).
 set -u
@@ -16,7 +17,19 @@ python3 -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/install.log
 export FLEXOFF_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 HW=benchmarks/data/h200-measured.json
 CPU=(--policy "24x2:0,100,0,100,100,0:a" --policy "32x1:0,100,0,100,100,0:a" --policy "16x2:0,100,0,100,100,0:a")
-if [ "${PHASE:-A}" = A ]; then
+if [ "${PHASE:-A}" = C ]; then  # everything in one lease, in priority order, each part time-limited
+  timeout 300 python3 benchmarks/throughput.py --model dummy:opt-30b --prompt-len 512 --gen-len 32 \
+    --gpu-mem 16GiB --cpu-mem 100GiB --hardware $HW --policy auto "${CPU[@]:0:4}" --ablations \
+    --frontier 8x1 --time-budget 215 --out "$OUT" 2>&1 | grep -v "^\s*$" | tail -40
+  echo "=== eval ($(date +%T))"
+  timeout 130 flexoff eval run --run-entries "synthetic_reasoning:mode=pattern_match" --model dummy:opt-30b \
+    --policy auto --gpu-mem 48GiB --cpu-mem 100GiB --hardware $HW --max-eval-instances 200 --suite device \
+    --output-path "$OUT/eval" -q 2>&1 | tail -4
+  flexoff eval summarize --suite device --output-path "$OUT/eval" 2>&1 | tail -3
+  echo "=== baseline ($(date +%T))"
+  timeout 125 python3 benchmarks/throughput.py --model dummy:opt-30b --prompt-len 512 --gen-len 32 --gpu-mem 16GiB \
+    --cpu-mem 100GiB --no-flexoff --baseline 8 --out "$OUT" 2>&1 | tail -4
+elif [ "${PHASE:-A}" = A ]; then
   timeout 570 python3 benchmarks/throughput.py --model dummy:opt-30b --prompt-len 512 --gen-len 32 \
     --gpu-mem 16GiB --cpu-mem 100GiB --hardware $HW --policy auto "${CPU[@]}" --ablations --frontier 8x1,1x1 \
     --time-budget 440 --out "$OUT" 2>&1 | grep -v "^\s*$"

@@ -89,7 +89,7 @@ class Bench:
             if self.out is not None:
                 write_jsonl(self.out / "errors.jsonl", [{"label": label, "policy": policy.describe(),
                                                           "error": f"{type(e).__name__}: {e}"}])
-            self.llm.close()  # start the next run from a clean state
+            self.llm.drop_engine()  # the next run starts from a clean engine; weights stay resident
             return None
         self.done[key] = rec
         if self.out is not None:

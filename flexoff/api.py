@@ -83,10 +83,8 @@ class LLM:
         self.options = EngineOptions(offload_dir, Budgets(gpu_mem, cpu_mem, disk_mem))
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self._capped = gpu_mem is not None and self.device.type == "cuda"
-        if self._capped:  # the allocator itself refuses more than the budget
-            total = torch.cuda.get_device_properties(self.device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, gpu_mem / total), self.device.index)
+        self._gpu_cap = gpu_mem if self.device.type == "cuda" else None
+        self._capped = False
         self.seed = seed
         self.progress = progress
         self.hardware = hardware
@@ -184,6 +182,10 @@ class LLM:
         if e is not None:
             e.close()
             self.engine = None
+        if self._gpu_cap is not None and not self._capped:  # the allocator itself refuses more
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, self._gpu_cap / total), self.device.index)
+            self._capped = True
         m = self.model
         fmt, codec = formats(policy, m.spec, self.dtype)
         if self.tiers is None:
@@ -230,6 +232,14 @@ class LLM:
             old.release()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()  # the loading temporaries' blocks go back for compute
+
+    def drop_engine(self) -> None:
+        """Close the engine (after a failed run), keeping the resident weights."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def close(self) -> None:
         """Give back every buffer: the engine's, the weights', the offload folder."""

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from flexoff.models.attention import attend, positions, prefill_mask
+from flexoff.models.attention import attend, attend_chunks, positions, prefill_mask
 from flexoff.models.base import Family
 from flexoff.models.spec import ModelSpec
 from flexoff.offload.activations import HiddenStore
@@ -84,24 +84,26 @@ class _Pending:
 
 
 class _HostIO:
-    """Pinned buffers through which CPU attention receives q, k, v and returns its output."""
+    """Pinned buffers and two streams of its own through which CPU attention receives q, k, v and
+    returns its output (its own streams: never queued behind weight transfers)."""
 
     def __init__(self, lanes: Lanes, mem: Ledger, rows: int, spec: ModelSpec, dtype: torch.dtype):
         self.lanes, self.cuda, self.device, self.dtype = lanes, lanes.cuda, mem.device, dtype
         if self.cuda:
             qn, kvn = rows * spec.num_heads * spec.head_dim, rows * spec.num_kv_heads * spec.head_dim
             self.bufs = [mem.alloc("cpu", n * dtype.itemsize).view(dtype) for n in (qn, kvn, kvn, qn)]
+            self.down, self.up = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
 
     def to_host(self, *ts: torch.Tensor) -> list[torch.Tensor]:
         if not self.cuda:
             return list(ts)
         out = []
-        with torch.cuda.stream(self.lanes.store.stream):
+        with torch.cuda.stream(self.down):
             for t, buf in zip(ts, self.bufs):
                 h = buf[:t.numel()].view(t.shape)
                 h.copy_(t, non_blocking=True)
                 out.append(h)
-            torch.cuda.current_stream().synchronize()
+            self.down.synchronize()
         return out
 
     def to_device(self, o: torch.Tensor) -> torch.Tensor:
@@ -109,9 +111,9 @@ class _HostIO:
             return o
         h = self.bufs[3][:o.numel()].view(o.shape)
         h.copy_(o)
-        with torch.cuda.stream(self.lanes.load.stream):
+        with torch.cuda.stream(self.up):
             d = h.to(self.device, non_blocking=True)
-            torch.cuda.current_stream().synchronize()
+            self.up.synchronize()
         return d
 
 
@@ -141,7 +143,7 @@ class Engine:
         try:
             self.weights = weights or WeightStore(list(spec.layers), self.fmt, policy, self.tiers)
             self.weights.bind(self.lanes, self.mover)
-            self.kv = KVStore(spec, codec, policy, self.mem, self.lanes, self.mover, max_prompt + max_gen)
+            self.kv = KVStore(spec, codec, policy, self.mem, self.lanes, self.mover, max_prompt, max_gen)
             self.hidden = HiddenStore(spec, dtype, policy, self.mem, self.lanes, self.mover, max_prompt)
             self.host_io = _HostIO(self.lanes, self.mem, policy.gpu_batch_size, spec, dtype)
         except BaseException:
@@ -149,6 +151,7 @@ class Engine:
             raise
         self._sampler: Sampler | None = None
         self.cpu_attention_bytes = 0
+        self.timing = {"wait_cpu_attention_s": 0.0, "cpu_attention_compute_s": 0.0, "cpu_attention_copies_s": 0.0}
 
     # ---- setup ---------------------------------------------------------
     def load_weights(self, layers: Iterable[tuple[int, Mapping[str, torch.Tensor]]]) -> None:
@@ -206,22 +209,24 @@ class Engine:
         pending: _Pending | None = None
         if p.overlap:
             self.weights.prefetch(0)
+        three_slots = len(self.weights.slots) >= 3
         for step, nxt in zigzag(gen_len, L, K):
             i, j, k = step
-            if pending is not None and (pending.k == k or k == 0):
-                pending.finish()  # same batch's data, or a weight slot about to be reused
+            # the same batch's data; or, with two weight slots, the slot the prefetch will reuse
+            if pending is not None and (pending.k == k or (k == 0 and not three_slots)):
+                self._finish(pending)
                 pending = None
             if p.overlap:
                 self._prefetch(step, nxt, states, gen_len)
             cont = self._compute(step, states[k])
             if pending is not None:
-                pending.finish()
+                self._finish(pending)
                 if p.overlap:
                     self._prefetch_hidden(step, nxt)  # its input may have been pending
             pending = cont
             if not p.overlap:
                 if pending is not None:
-                    pending.finish()
+                    self._finish(pending)
                     pending = None
                 self.lanes.sync()
             if j == L - 1 and k == K - 1:  # token step i is complete
@@ -241,7 +246,7 @@ class Engine:
                 if stop:
                     break
         if pending is not None:
-            pending.finish()
+            self._finish(pending)
         self.lanes.sync()
         end = time.perf_counter()
         for d in range(delivered + 1, steps):
@@ -255,9 +260,15 @@ class Engine:
                            {k: after_prefill[k] - start[k] for k in start},
                            {k: done[k] - after_prefill[k] for k in start})
 
-    def traffic(self) -> dict[str, int]:
-        """Bytes issued so far: by copy path, and KV bytes read by CPU attention."""
-        return {**self.mover.traffic, "cpu_attention": self.cpu_attention_bytes}
+    def traffic(self) -> dict[str, float]:
+        """Bytes issued so far: by copy path, and KV bytes read by CPU attention; and seconds the
+        main thread waited for CPU attention and the CPU lane spent on it."""
+        return {**self.mover.traffic, "cpu_attention": self.cpu_attention_bytes, **self.timing}
+
+    def _finish(self, pending: _Pending) -> None:
+        t0 = time.perf_counter()
+        pending.finish()
+        self.timing["wait_cpu_attention_s"] += time.perf_counter() - t0
 
     def _prefetch(self, step: Step, nxt: Step | None, states: list[_Batch], gen_len: int) -> None:
         """Issue the loads for what comes next, overlapping this step's compute."""
@@ -354,15 +365,30 @@ class Engine:
                        v: torch.Tensor, r0: int, r1: int, t: int) -> Event:
         """Decode attention for CPU-resident rows on the CPU lane; resolves to the output
         (rows, heads, 1, d) on the compute device."""
-        seg, codec, io = self.kv.homes[li][kb]["cpu"], self.kv.cpu_codec, self.host_io
-        rows, scale = r1 - r0, self.fam.scale
+        seg, codec, io, kv = self.kv.homes[li][kb]["cpu"], self.kv.cpu_codec, self.host_io, self.kv
+        rows, scale, timing = r1 - r0, self.fam.scale, self.timing
         mask = st.valid_host[r0:r1, None, :t + 1]
+        cap = kv.split["cpu"]
 
         def task() -> torch.Tensor:
+            t0 = time.perf_counter()
             qh, kh, vh = io.to_host(q, k, v)
-            codec.write(seg.buf, rows, t, kh, vh)
-            K, V = codec.read(seg.buf, rows, t + 1)
-            return io.to_device(attend(qh, K, V, mask, scale))
+            t1 = time.perf_counter()
+            if kv.head_major:  # the prompt area, then the generated tokens so far
+                g = t - st.S
+                Kg, Vg = codec.generated(seg.buf, rows, cap)
+                Kg[:, :, g:g + 1] = kh
+                Vg[:, :, g:g + 1] = vh
+                o = attend_chunks(qh, [codec.prompt(seg.buf, rows, st.S), (Kg[:, :, :g + 1], Vg[:, :, :g + 1])],
+                                  mask, scale)
+            else:
+                codec.write(seg.buf, rows, t, kh, vh)
+                o = attend(qh, *codec.read(seg.buf, rows, t + 1), mask, scale)
+            t2 = time.perf_counter()
+            out = io.to_device(o)
+            timing["cpu_attention_copies_s"] += (t1 - t0) + (time.perf_counter() - t2)
+            timing["cpu_attention_compute_s"] += t2 - t1
+            return out
 
         self.cpu_attention_bytes += rows * (t + 1) * self.kv.codec.rec_bytes
         ev = self.lanes.cpu.run(task, [self.lanes.compute.mark()] + seg.track.claim())

@@ -67,28 +67,33 @@ class PlainKV:
 
 
 class HeadMajorKV:
-    """Plain keys and values laid out for attention on the CPU: all keys, then all values, each
-    (rows, kv_heads, capacity tokens, head_dim), so every head's keys are one contiguous matrix
-    (a strided token-major read runs an order of magnitude slower in CPU matmuls)."""
+    """Plain keys and values laid out for attention on the CPU, where each head's keys must be one
+    contiguous matrix (a strided token-major read runs an order of magnitude slower in CPU
+    matmuls). A prompt area holds the block's prompt keys then values, (rows, kv_heads, prompt,
+    head_dim) each, packed at the start so the prefill stores them with one contiguous copy; a
+    generated area after the largest prompt holds (rows, kv_heads, max_gen, head_dim) keys then
+    values, one token written per step. Attention reads the two areas as two chunks."""
 
-    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, capacity: int):
-        self.kvh, self.hd, self.dtype, self.capacity = kv_heads, head_dim, dtype, capacity
+    def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, max_prompt: int, max_gen: int):
+        self.kvh, self.hd, self.dtype = kv_heads, head_dim, dtype
+        self.max_prompt, self.max_gen = max_prompt, max_gen
         self.rec_bytes = 2 * kv_heads * head_dim * dtype.itemsize
 
-    def _views(self, buf: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        n = rows * self.kvh * self.capacity * self.hd
-        x = buf[:2 * n * self.dtype.itemsize].view(self.dtype)
-        shape = (rows, self.kvh, self.capacity, self.hd)
-        return x[:n].view(shape), x[n:].view(shape)
+    def _x(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf.view(self.dtype)
 
-    def write(self, buf: torch.Tensor, rows: int, t: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        K, V = self._views(buf, rows)
-        K[:, :, t:t + k.shape[2]] = k
-        V[:, :, t:t + v.shape[2]] = v
+    def prompt(self, buf: torch.Tensor, rows: int, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = rows * self.kvh * s * self.hd
+        x = self._x(buf)[:2 * n].view(2, rows, self.kvh, s, self.hd)
+        return x[0], x[1]
 
-    def read(self, buf: torch.Tensor, rows: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        K, V = self._views(buf, rows)
-        return K[:, :, :t], V[:, :, :t]
+    def generated(self, buf: torch.Tensor, rows: int, cap_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, kv_heads, max_gen, head_dim) keys and values; the area starts after the largest
+        prompt of the buffer's full row count."""
+        start = 2 * cap_rows * self.kvh * self.max_prompt * self.hd
+        n = rows * self.kvh * self.max_gen * self.hd
+        x = self._x(buf)[start:start + 2 * n].view(2, rows, self.kvh, self.max_gen, self.hd)
+        return x[0], x[1]
 
 
 @dataclass
@@ -109,7 +114,8 @@ def kv_bytes(spec: ModelSpec, rec_bytes: int, policy: Policy, max_tokens: int) -
 
 class KVStore:
     def __init__(self, spec: ModelSpec, codec: KVCodec, policy: Policy, mem: Ledger,
-                 lanes: Lanes, mover: Mover, max_tokens: int):
+                 lanes: Lanes, mover: Mover, max_prompt: int, max_gen: int):
+        max_tokens = max_prompt + max_gen
         self.codec, self.lanes, self.mover = codec, lanes, mover
         self.max_tokens = max_tokens
         self.cpu_compute = policy.cpu_cache_compute
@@ -123,9 +129,9 @@ class KVStore:
         self.slots = [{t: _Seg(mem.alloc("gpu", n * max_tokens * rec), Tracked()) for t, n in staged.items()}
                       for _ in range(2)] if staged else []
         # rows that CPU attention reads in place; a compressed cache keeps its records
-        plain = isinstance(codec, PlainKV)
-        self.cpu_codec: Any = HeadMajorKV(codec.kvh, codec.hd, codec.dtype, max_tokens) \
-            if (self.cpu_compute and plain) else codec
+        self.head_major = self.cpu_compute and isinstance(codec, PlainKV)
+        self.cpu_codec: Any = HeadMajorKV(codec.kvh, codec.hd, codec.dtype, max_prompt, max_tokens - max_prompt) \
+            if self.head_major else codec
         self._next_slot = 0
         self._staged: dict[tuple[int, int], int] = {}  # (attention layer, batch) -> slot
 
@@ -150,18 +156,13 @@ class KVStore:
             if tier == "gpu":
                 self.codec.write(seg.buf, rows, 0, k[r0:r1], v[r0:r1])
                 continue
-            if tier == "cpu" and self.cpu_compute:  # written in place by the CPU lane
-                kr, vr, codec, buf = k[r0:r1], v[r0:r1], self.cpu_codec, seg.buf
-
-                def put(kr=kr, vr=vr, codec=codec, buf=buf, rows=rows) -> None:
-                    codec.write(buf, rows, 0, *self.lanes.to_host(kr, vr))
-
-                seg.track.wrote(self.lanes.cpu.run(put, [ev] + seg.track.claim()))
-                seg.track.tag = k.shape[2]
-                continue
-            enc = self.codec.encode(k[r0:r1], v[r0:r1])  # (s, rows, rec), transient
+            if tier == "cpu" and self.head_major:  # the prompt area: keys then values, one copy
+                enc = torch.stack((k[r0:r1], v[r0:r1])).contiguous()  # (2, rows, kv_heads, s, d)
+            else:
+                enc = self.codec.encode(k[r0:r1], v[r0:r1])  # (s, rows, rec), transient
             deps = [ev] + seg.track.claim()
-            cp = self.mover.copy(Span(seg.buf, 0, enc.numel()), span_of(enc), deps, lane="store")
+            src = span_of(enc)
+            cp = self.mover.copy(Span(seg.buf, 0, src.nbytes), src, deps, lane="store")
             seg.track.wrote(cp)
             seg.track.tag = k.shape[2]  # tokens stored
 

@@ -26,7 +26,7 @@ from flexoff.offload.layout import Layout
 from flexoff.offload.mover import CHUNK
 from flexoff.offload.placement import TIERS
 from flexoff.offload.tiers import GiB, Budgets
-from flexoff.offload.weights import plan_weights, weight_bytes
+from flexoff.offload.weights import num_slots, plan_weights, weight_bytes
 from flexoff.policy.policy import Policy
 
 GPU_RESERVE = 256 << 20  # CUDA allocator slack and fragmentation
@@ -54,7 +54,7 @@ def plan_memory(spec: ModelSpec, layouts: list[Layout], kv_rec_bytes: int, polic
                 max_prompt: int, max_gen: int, dtype: torch.dtype, cuda: bool) -> MemoryPlan:
     elem = dtype.itemsize
     plan = MemoryPlan()
-    plan.add("weights", weight_bytes(plan_weights(layouts, policy)))
+    plan.add("weights", weight_bytes(plan_weights(layouts, policy), num_slots(policy)))
     plan.add("kv cache", kv_bytes(spec, kv_rec_bytes, policy, max_prompt + max_gen))
     plan.add("activations", act_bytes(spec, elem, policy, max_prompt))
     pinned = 4 * CHUNK if (cuda and plan.total("disk") > 0) else 0  # disk bounce buffers

@@ -33,10 +33,16 @@ def plan_weights(layouts: list[Layout], policy: Policy) -> list[ByteSplit]:
     return out
 
 
-def weight_bytes(splits: list[ByteSplit]) -> dict[str, int]:
+def num_slots(policy: Policy) -> int:
+    """GPU slots layers are staged through: two (this layer and the next), three when CPU
+    attention may still be finishing the previous layer while the next one is prefetched."""
+    return 3 if policy.cpu_cache_compute else 2
+
+
+def weight_bytes(splits: list[ByteSplit], slots: int = 2) -> dict[str, int]:
     """Bytes each tier holds for weights, GPU slots included."""
     slot = max((s.n - s.stage for s in splits), default=0)
-    return {"gpu": sum(s.a for s in splits) + 2 * slot,
+    return {"gpu": sum(s.a for s in splits) + slots * slot,
             "cpu": sum(s.bytes_on("cpu") for s in splits),
             "disk": sum(s.bytes_on("disk") for s in splits)}
 
@@ -58,7 +64,7 @@ class WeightStore:
         self.splits = plan_weights(self.layouts, policy)
         self.homes: list[dict[str, Any]] = [{} for _ in layers]  # allocated as each layer is filled
         slot_bytes = max((s.n - s.stage for s in self.splits), default=0)
-        self.slots = [_Slot(self.mem.alloc("gpu", slot_bytes)) for _ in range(2)] if slot_bytes else []
+        self.slots = [_Slot(self.mem.alloc("gpu", slot_bytes)) for _ in range(num_slots(policy))] if slot_bytes else []
         self._next_slot = 0
         self._in_slot: dict[int, int] = {}  # layer -> slot holding it
         self._views: dict[tuple[int, int], dict[str, Any]] = {}
@@ -74,7 +80,8 @@ class WeightStore:
 
     def matches(self, fmt: WeightFormat, policy: Policy) -> bool:
         """Whether a policy would place these weights exactly as they are."""
-        return self.fmt.key == fmt.key and plan_weights(self.layouts, policy) == self.splits
+        return (self.fmt.key == fmt.key and plan_weights(self.layouts, policy) == self.splits
+                and num_slots(policy) == len(self.slots))
 
     # ---- loading -------------------------------------------------------
     def fill(self, j: int, tensors: Mapping[str, torch.Tensor], encoded: bool = False) -> None:
@@ -127,7 +134,7 @@ class WeightStore:
         if s.resident or j in self._in_slot:
             return
         idx = self._next_slot
-        self._next_slot = 1 - idx
+        self._next_slot = (idx + 1) % len(self.slots)
         slot = self.slots[idx]
         if slot.track.tag is not None:
             self._in_slot.pop(slot.track.tag, None)
@@ -168,4 +175,4 @@ class WeightStore:
             self.slots[self._in_slot[j]].track.was_read(ev)
 
     def bytes_per_tier(self) -> dict[str, int]:
-        return weight_bytes(self.splits)
+        return weight_bytes(self.splits, len(self.slots))

@@ -98,6 +98,7 @@ class CostModel:
         self.Q = spec.num_heads * spec.head_dim * eb  # query / attention output bytes per token
         self.W_total = sum(self.count[k] * self.W[k] for k in KINDS)
         self.W_max = max(self.W.values())
+        self.slots = 3 if choice.cpu_cache_compute else 2  # the engine's GPU weight slots
 
     # ---- time ----------------------------------------------------------
     def terms(self, x: Mapping[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
@@ -165,7 +166,7 @@ class CostModel:
         if ch.compress_weight:  # a compressed weight is dequantized into a temporary at prefill
             working += self.spec.largest_matmul_bytes(self.work.elem_bytes)
         return {
-            "gpu": x["wg"] * self.W_total + 2 * (1 - x["wg"]) * self.W_max + x["cg"] * cache
+            "gpu": x["wg"] * self.W_total + self.slots * (1 - x["wg"]) * self.W_max + x["cg"] * cache
             + 2 * ch.gpu_batch_size * staged * (s + n) * self.kv + x["hg"] * act + working,
             "cpu": x["wc"] * self.W_total + x["cc"] * cache + x["hc"] * act,
             "disk": x["wd"] * self.W_total + x["cd"] * cache + x["hd"] * act,

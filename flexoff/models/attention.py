@@ -45,6 +45,30 @@ def _attend_math(
     return torch.matmul(p, v)
 
 
+def attend_chunks(q: torch.Tensor, chunks: list[tuple[torch.Tensor, torch.Tensor]], mask: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """attend() over keys and values held in several pieces along the sequence (a prompt area and a
+    generated-token area), without concatenating them: scores are joined, values summed.
+
+    q: (b, heads, sq, d); chunks: [(k, v)] each (b, kv_heads, sk_i, d) with contiguous heads;
+    mask: (b, sq, sum of sk_i)."""
+    b, nh, sq, d = q.shape
+    kvh = chunks[0][0].shape[1]
+    g = nh // kvh
+    qg = q.reshape(b, kvh, g * sq, d)
+    sk = mask.shape[-1]
+    m = mask[:, None, None].expand(b, 1, g, sq, sk).reshape(b, 1, g * sq, sk)
+    scores = torch.cat([torch.matmul(qg, k.transpose(-1, -2)) for k, _ in chunks], dim=-1).float() * scale
+    scores.masked_fill_(~m, float("-inf"))
+    p = torch.softmax(scores, dim=-1).to(chunks[0][1].dtype)
+    out, at = None, 0
+    for _, v in chunks:
+        part = torch.matmul(p[..., at:at + v.shape[2]], v)
+        out = part if out is None else out + part
+        at += v.shape[2]
+    return out.reshape(b, nh, sq, d)
+
+
 def prefill_mask(valid: torch.Tensor) -> torch.Tensor:
     """Causal mask over a left-padded prompt: (b, s) valid -> (b, s, s).
 
