@@ -17,7 +17,17 @@ python3 -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/install.log
 export FLEXOFF_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 HW=benchmarks/data/h200-measured.json
 CPU=(--policy "24x2:0,100,0,100,100,0:a" --policy "32x1:0,100,0,100,100,0:a" --policy "16x2:0,100,0,100,100,0:a")
-if [ "${PHASE:-A}" = C ]; then  # everything in one lease, in priority order, each part time-limited
+if [ "${PHASE:-A}" = D ]; then  # the last minutes of a lease: auto on OPT-30B, then the eval run
+  timeout 95 python3 benchmarks/throughput.py --model dummy:opt-30b --prompt-len 512 --gen-len 32 \
+    --gpu-mem 16GiB --cpu-mem 100GiB --hardware $HW --policy auto --time-budget 45 --out "$OUT" 2>&1 | tail -5
+  echo "=== eval ($(date +%T))"
+  timeout 125 flexoff eval run --run-entries "synthetic_reasoning:mode=pattern_match" --model dummy:opt-30b \
+    --policy auto --gpu-mem 48GiB --cpu-mem 100GiB --hardware $HW --max-eval-instances 200 --suite device \
+    --output-path "$OUT/eval" -q 2>&1 | tail -4
+  flexoff eval summarize --suite device --output-path "$OUT/eval" 2>&1 | tail -3
+  cp "$OUT"/eval/runs/device/*/stats.json "$OUT/eval_stats.json" 2>/dev/null
+  cp "$OUT"/eval/runs/device/summary.md "$OUT/eval_summary.md" 2>/dev/null
+elif [ "${PHASE:-A}" = C ]; then  # everything in one lease, in priority order, each part time-limited
   timeout 300 python3 benchmarks/throughput.py --model dummy:opt-30b --prompt-len 512 --gen-len 32 \
     --gpu-mem 16GiB --cpu-mem 100GiB --hardware $HW --policy auto "${CPU[@]:0:4}" --ablations \
     --frontier 8x1 --time-budget 215 --out "$OUT" 2>&1 | grep -v "^\s*$" | tail -40

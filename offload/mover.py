@@ -67,7 +67,9 @@ class Mover:
 
         def fn() -> None:
             d, s = dst.mem(), src.mem()
-            d.copy_(s, non_blocking=True)
+            # in chunks, so small copies of other streams (CPU attention's) interleave with big ones
+            for off in range(0, d.numel(), self.chunk * 2):
+                d[off:off + self.chunk * 2].copy_(s[off:off + self.chunk * 2], non_blocking=True)
             for t in (d, s):  # keep transient device tensors alive for this stream
                 if t.is_cuda:
                     t.record_stream(torch.cuda.current_stream(t.device))

@@ -97,6 +97,10 @@ class ModelSpec:
         dequantized into a temporary this big at prefill shapes)."""
         return max(math.prod(t.shape) for l in self.layers for t in l.tensors if t.matmul) * elem_bytes
 
+    def loading_bytes(self, elem_bytes: int) -> int:
+        """Compute-device temporaries while a layer is placed: its tensors and its flat buffer."""
+        return 2 * max(self.layer_bytes(j, elem_bytes) for j in range(len(self.layers)))
+
     def working_bytes(self, batch: int, seq: int, elem_bytes: int, device: str = "cuda") -> int:
         """Transient memory of computing the largest layer on `batch` sequences of `seq` tokens
         (FlexGen's gpu_w working term): hidden states, q/k/v and MLP intermediates in the compute
@@ -112,7 +116,7 @@ class ModelSpec:
         gates = 3 if self.family == "llama" else 2  # SwiGLU holds gate, silu(gate) and up at once
         mlp = tokens * (2 * h1 + gates * self.intermediate_size) * elem_bytes
         head = batch * self.vocab_size * 4 * 2
-        return max(attn, mlp, head)
+        return max(attn, mlp, head, self.loading_bytes(elem_bytes))
 
     # ---- FLOPs ---------------------------------------------------------
     def linear_flops(self, j: int) -> int:
