@@ -18,7 +18,7 @@ fi
 python3 -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/install.log" 2>&1 || tail -5 "$OUT/install.log"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__, torch.get_num_threads())"
-export FLEXOFF_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+export FLEXOFF_COMMIT=$(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
 step "gpu tests"
 python3 -m pytest -q -x -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/gpu_tests.log"
 step kernels

@@ -29,7 +29,7 @@ from flexoff.offload.tiers import GiB, Budgets
 from flexoff.offload.weights import num_slots, plan_weights, weight_bytes
 from flexoff.policy.policy import Policy
 
-GPU_RESERVE = 256 << 20  # CUDA allocator slack and fragmentation
+GPU_RESERVE = 1 << 30  # CUDA allocator slack and fragmentation
 
 
 @dataclass
@@ -65,6 +65,7 @@ def plan_memory(spec: ModelSpec, layouts: list[Layout], kv_rec_bytes: int, polic
     working = spec.working_bytes(policy.gpu_batch_size, max_prompt, elem, device) + (GPU_RESERVE if cuda else 0)
     if policy.compress_weight:
         working += spec.largest_matmul_bytes(elem)
+    working += spec.inflight_bytes(policy.gpu_batch_size, max_prompt, elem)
     plan.add("working", {"gpu": working})
     return plan
 

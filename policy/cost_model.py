@@ -38,7 +38,7 @@ from flexoff.quant.sizes import kv_config, kv_record_bytes, layer_bytes, weight_
 
 VARS = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd")
 KINDS = ("embed", "attn", "mlp", "head")
-GPU_RESERVE = 256 << 20  # the engine's CUDA allocator slack (offload/memory.py)
+GPU_RESERVE = 1 << 30  # the engine's CUDA allocator slack (offload/memory.py)
 
 
 @dataclass(frozen=True)
@@ -165,6 +165,7 @@ class CostModel:
         working += GPU_RESERVE if self.hw.device == "cuda" else 0
         if ch.compress_weight:  # a compressed weight is dequantized into a temporary at prefill
             working += self.spec.largest_matmul_bytes(self.work.elem_bytes)
+        working += self.spec.inflight_bytes(ch.gpu_batch_size, s, self.work.elem_bytes)
         return {
             "gpu": x["wg"] * self.W_total + self.slots * (1 - x["wg"]) * self.W_max + x["cg"] * cache
             + 2 * ch.gpu_batch_size * staged * (s + n) * self.kv + x["hg"] * act + working,

@@ -48,8 +48,26 @@ def _apply(rule: list[str], sub: dict[str, str]) -> str:
     return " ".join(sub.get(t, t) for t in rule)
 
 
+class _Procedural(Scenario):
+    """Instances made one by one from (seed, index): the first num_train are the train split."""
+
+    num_train: int
+    num_test: int
+
+    def make(self, i: int) -> tuple[str, str]:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def instances(self) -> list[Instance]:
+        out = []
+        for i in range(self.num_train + self.num_test):
+            text, answer = self.make(i)
+            split = TRAIN if i < self.num_train else TEST
+            out.append(Instance(text, (Reference(answer, (CORRECT,)),), split, f"id{i}"))
+        return out
+
+
 @register("synthetic_reasoning")
-class SyntheticReasoning(Scenario):
+class SyntheticReasoning(_Procedural):
     MODES = ("pattern_match", "variable_substitution", "induction")
 
     def __init__(self, args: dict[str, str]):
@@ -79,13 +97,6 @@ class SyntheticReasoning(Scenario):
         listing = "\n".join(" ".join(r) for r in rules)
         return f"Rules:\n{listing}\nResult: {result}", " ".join(rule)
 
-    def instances(self) -> list[Instance]:
-        out = []
-        for i in range(self.num_train + self.num_test):
-            text, answer = self.make(i)
-            split = TRAIN if i < self.num_train else TEST
-            out.append(Instance(text, (Reference(answer, (CORRECT,)),), split, f"id{i}"))
-        return out
 
 
 SUBJECTS = ["the dog", "the cat", "the bear", "the rabbit", "the mouse", "the lion", "the cow", "the squirrel"]
@@ -99,7 +110,7 @@ DIFFICULTY = {"easy": (2, 1, 1), "medium": (4, 2, 2), "hard": (6, 2, 3)}  # rule
 
 
 @register("synthetic_reasoning_natural")
-class SyntheticReasoningNatural(Scenario):
+class SyntheticReasoningNatural(_Procedural):
     def __init__(self, args: dict[str, str]):
         super().__init__("synthetic_reasoning_natural", args, "if-then reasoning in English", ("reasoning",))
         self.difficulty = args.get("difficulty", "easy")
@@ -135,10 +146,3 @@ class SyntheticReasoningNatural(Scenario):
         question = f"Question: What {target} is {subject}?"
         return "Rules:\n" + "\n".join(lines) + f"\n{fact}\n{question}", answer
 
-    def instances(self) -> list[Instance]:
-        out = []
-        for i in range(self.num_train + self.num_test):
-            text, answer = self.make(i)
-            split = TRAIN if i < self.num_train else TEST
-            out.append(Instance(text, (Reference(answer, (CORRECT,)),), split, f"id{i}"))
-        return out

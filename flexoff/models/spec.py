@@ -97,6 +97,11 @@ class ModelSpec:
         dequantized into a temporary this big at prefill shapes)."""
         return max(math.prod(t.shape) for l in self.layers for t in l.tensors if t.matmul) * elem_bytes
 
+    def inflight_bytes(self, batch: int, seq: int, elem_bytes: int) -> int:
+        """Device memory of outputs still being copied away when the next layer runs: the keys,
+        values and hidden states of up to two layer-batches (the store lane trails compute)."""
+        return 2 * batch * seq * (self.kv_bytes_per_token(elem_bytes) + self.act_bytes_per_token(elem_bytes))
+
     def loading_bytes(self, elem_bytes: int) -> int:
         """Compute-device temporaries while a layer is placed: its tensors and its flat buffer."""
         return 2 * max(self.layer_bytes(j, elem_bytes) for j in range(len(self.layers)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,9 @@ from flexoff.quant import QuantConfig, dequantize, quantize
 from flexoff.ppl import perplexity
 from policy_matrix import pairwise
 from reference import PROMPTS, hf_greedy
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from accuracy import fake_quant_cache, fake_quant_weights, hf_ppl  # noqa: E402  (the plain torch references)
 
 TEXT = Path(__file__).resolve().parents[2] / "benchmarks" / "data" / "lighthouse.txt"
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "out_proj", "fc1", "fc2", "gate_proj", "up_proj",
@@ -46,29 +50,6 @@ def test_compression_is_deterministic_under_every_placement(tiny):
             assert runs[0] == runs[1] and all(len(t) == 6 for t in runs[0]), p.describe()
 
 
-def fake_quant(x: torch.Tensor, group: int, dim: int) -> torch.Tensor:
-    """A plain float32 fake quantization: 4-bit, asymmetric, groups along dim."""
-    y = x.float().movedim(dim, -1)
-    g = y.reshape(*y.shape[:-1], -1, group)
-    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-    scale = ((hi - lo) / 15).clamp(min=1e-12)
-    q = ((g - lo) / scale).round().clamp(0, 15)
-    return (q * scale + lo).reshape(y.shape).movedim(-1, dim).to(x.dtype)
-
-
-def hf_ppl(model, ids: list[int], window: int = 512) -> float:
-    nll, count = 0.0, 0
-    with torch.no_grad():
-        for i in range(0, len(ids), window):
-            w = torch.tensor([ids[i:i + window]])
-            if w.shape[1] < 2:
-                continue
-            lp = model(w).logits[0, :-1].double().log_softmax(-1)
-            nll -= float(lp.gather(-1, w[0, 1:, None]).sum())
-            count += w.shape[1] - 1
-    return math.exp(nll / count)
-
-
 @pytest.fixture(scope="module")
 def smol_ppl(smol):
     smol.close()
@@ -90,25 +71,9 @@ def test_perplexity_equals_transformers(smol_ppl, smol_hf):
 
 
 def test_compressed_perplexity_within_2_percent_of_fake_quantization(smol_ppl, smol_hf):
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     ours, ids = smol_ppl
-    hf = copy.deepcopy(smol_hf)
-    hf.lm_head.weight = torch.nn.Parameter(hf.lm_head.weight.clone())
-    with torch.no_grad():
-        for n, mod in hf.named_modules():
-            if isinstance(mod, torch.nn.Linear):
-                mod.weight.copy_(fake_quant(mod.weight, 64, 0))
-    ref_weights = hf_ppl(hf, ids)
-
-    def fq_attention(module, q, k, v, mask, **kw):  # keys after RoPE, values, along the head dim
-        return sdpa_attention_forward(module, q, fake_quant(k, 64, -1), fake_quant(v, 64, -1), mask, **kw)
-
-    AttentionInterface.register("flexoff_test_fq", fq_attention)
-    kvq = copy.deepcopy(smol_hf)
-    kvq.set_attn_implementation("flexoff_test_fq")
-    ref_cache = hf_ppl(kvq, ids)
+    ref_weights = hf_ppl(fake_quant_weights(smol_hf), ids)
+    ref_cache = hf_ppl(fake_quant_cache(smol_hf), ids)
     dense = ours["dense"].value
     assert ref_cache > dense * 1.02 and ref_weights > dense * 1.02  # both references really degrade
     assert ours["cache"].value == pytest.approx(ref_cache, rel=0.02)
