@@ -26,6 +26,15 @@ def timed(fn, repeat: int = 5) -> float:
     return sorted(ts)[len(ts) // 2]
 
 
+def memcpy_bandwidth() -> tuple[float, float]:
+    """Host memcpy bytes/s (read + written) of a 1 GiB buffer, and seconds per copy."""
+    big = torch.empty(1 << 28, dtype=torch.float32)
+    big.normal_()
+    other = torch.empty_like(big)
+    s = timed(lambda: other.copy_(big), 3)
+    return 2 * big.numel() * 4 / s / 1e9, s
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=48)
@@ -37,12 +46,7 @@ def main() -> int:
     from flexoff.models.attention import attend
 
     b, h, d, t = args.rows, args.heads, args.head_dim, args.tokens
-    big = torch.empty(1 << 28, dtype=torch.float32)  # 1 GiB
-    big.normal_()
-    other = torch.empty_like(big)
-    s = timed(lambda: other.copy_(big), 3)
-    copy_bw = 2 * big.numel() * 4 / s / 1e9
-    del big, other
+    copy_bw, s = memcpy_bandwidth()
     rows = [{"variant": "memcpy (read+write)", "dtype": "", "ms": s * 1e3, "GB/s": copy_bw}]
     mask = torch.ones(b, 1, t, dtype=torch.bool)
     for dtype in (torch.float16, torch.bfloat16, torch.float32):

@@ -66,7 +66,7 @@ def main() -> int:
             dense = bench(lambda: x @ w)
             rows.append({"kernel": "qmatmul fused", "shape": f"{b}x{k}x{n}", "ms": fused,
                          "vs dequant+mm": two / fused, "vs dense fp16": dense / fused})
-        del w
+        w = d = s = m = None  # free before the next shape
     if args.tune:
         rows += tune(K, cfg, copy_bw)
     print(table(rows, ["kernel", "shape", "ms", "GB/s", "of copy", "vs dequant+mm", "vs dense fp16", "tile"]))

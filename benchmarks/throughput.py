@@ -15,8 +15,6 @@ Records go to OUT/throughput.jsonl; the frontier plot to OUT/frontier.png.
 from __future__ import annotations
 
 import argparse
-import json
-import math
 import sys
 import time
 from pathlib import Path

@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 from flexoff.errors import MemoryBudgetError
-from flexoff.offload.layout import Layout, PlainFormat
+from flexoff.offload.layout import Layout
 from flexoff.offload.memory import MemoryPlan, check, plan_memory
 from flexoff.offload.placement import TIERS
 from flexoff.policy.cost_model import Workload

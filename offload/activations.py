@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from flexoff.models.spec import ModelSpec
-from flexoff.offload.lanes import DONE, Event, Lanes, Tracked
+from flexoff.offload.lanes import Event, Lanes, Tracked
 from flexoff.offload.mover import Mover, Span, span_of
 from flexoff.offload.placement import TIERS, row_segments, row_split
 from flexoff.offload.tiers import Ledger

@@ -117,6 +117,54 @@ class _HostIO:
         return d
 
 
+class _Clock:
+    """Token-step bookkeeping of one block: tokens copied to the host one step behind, the stop
+    callback, the prefill/decode split of time and traffic."""
+
+    def __init__(self, engine: "Engine", states: list[_Batch], on_tokens: OnTokens):
+        self.engine, self.states, self.on_tokens = engine, states, on_tokens
+        self.events: list[Event] = []
+        self.delivered, self.steps, self.stop = -1, 0, False
+        self.start = self.after_prefill = engine.traffic()
+        self.t0 = time.perf_counter()
+        self.prefill_s = 0.0
+
+    def _deliver(self, d: int) -> None:
+        self.events[d].wait_host()
+        self.stop = self.on_tokens(d, [st.tokens_host[d] for st in self.states])
+        self.delivered = d
+
+    def token_step_done(self, i: int) -> bool:
+        """Step i's tokens are sampled; returns whether every sequence has stopped."""
+        e = self.engine
+        self.steps = i + 1
+        for st in self.states:
+            st.tokens_host[i].copy_(st.tokens[i], non_blocking=True)
+        self.events.append(e.lanes.compute.mark())
+        if i == 0:  # the prefill's end: measured, and its tokens checked at once
+            e.lanes.sync()
+            self.prefill_s = time.perf_counter() - self.t0
+            self.after_prefill = e.traffic()
+            self._deliver(0)
+        elif i - 1 > self.delivered:  # the previous step's tokens, already on the host
+            self._deliver(i - 1)
+        return self.stop
+
+    def finish(self, states: list[_Batch]) -> BlockResult:
+        e = self.engine
+        e.lanes.sync()
+        end = time.perf_counter()
+        for d in range(self.delivered + 1, self.steps):
+            if not self.stop:
+                self._deliver(d)
+        e.hidden.clear()
+        e.kv.reset()
+        lps = [st.logprobs.cpu() if st.logprobs is not None else None for st in states]
+        done, start, mid = e.traffic(), self.start, self.after_prefill
+        return BlockResult(self.prefill_s, end - self.t0 - self.prefill_s, self.steps, lps,
+                           {k: mid[k] - start[k] for k in start}, {k: done[k] - mid[k] for k in start})
+
+
 class Engine:
     """One policy's machinery: lanes, KV cache, activation stores. It may borrow tiers and a
     weight store that outlive it (given ones are not released by close)."""
@@ -200,12 +248,7 @@ class Engine:
         self._sampler, self._want_lp = sampler, prompt_logprobs
         pin = self.device.type == "cuda"
         states = [_Batch(b, gen_len, self.device, pin) for b in batches]
-        tok_events: list[Event] = []
-        delivered, steps, stop = -1, 0, False
-        start = self.traffic()
-        after_prefill = start
-        t0 = time.perf_counter()
-        prefill_s = 0.0
+        clock = _Clock(self, states, on_tokens)
         pending: _Pending | None = None
         if p.overlap:
             self.weights.prefetch(0)
@@ -229,36 +272,11 @@ class Engine:
                     self._finish(pending)
                     pending = None
                 self.lanes.sync()
-            if j == L - 1 and k == K - 1:  # token step i is complete
-                steps = i + 1
-                for st in states:
-                    st.tokens_host[i].copy_(st.tokens[i], non_blocking=True)
-                tok_events.append(self.lanes.compute.mark())
-                if i == 0:
-                    self.lanes.sync()
-                    prefill_s = time.perf_counter() - t0
-                    after_prefill = self.traffic()
-                if i - 1 > delivered or i == 0:
-                    d = i if i == 0 else i - 1
-                    tok_events[d].wait_host()
-                    stop = on_tokens(d, [st.tokens_host[d] for st in states])
-                    delivered = d
-                if stop:
-                    break
+            if j == L - 1 and k == K - 1 and clock.token_step_done(i):
+                break
         if pending is not None:
             self._finish(pending)
-        self.lanes.sync()
-        end = time.perf_counter()
-        for d in range(delivered + 1, steps):
-            if not stop:
-                stop = on_tokens(d, [st.tokens_host[d] for st in states])
-        self.hidden.clear()
-        self.kv.reset()
-        lps = [st.logprobs.cpu() if st.logprobs is not None else None for st in states]
-        done = self.traffic()
-        return BlockResult(prefill_s, end - t0 - prefill_s, steps, lps,
-                           {k: after_prefill[k] - start[k] for k in start},
-                           {k: done[k] - after_prefill[k] for k in start})
+        return clock.finish(states)
 
     def traffic(self) -> dict[str, float]:
         """Bytes issued so far: by copy path, and KV bytes read by CPU attention; and seconds the

@@ -91,10 +91,6 @@ class Mover:
                 (src.buf.is_cuda, dst.buf.is_cuda), "host")
             self.traffic[key] += src.nbytes
 
-    def bounce_bytes(self) -> int:
-        """Pinned host bytes the bounce buffers take once disk is used on a GPU machine."""
-        return 4 * self.chunk if self.lanes.cuda else 0
-
     def _buffers(self, which: str) -> list[torch.Tensor]:
         if which not in self._bounce:
             self._bounce[which] = [self.mem.alloc("cpu", self.chunk) for _ in range(2)]

@@ -23,7 +23,7 @@ import pulp
 
 from flexoff.errors import MemoryBudgetError
 from flexoff.models.spec import ModelSpec
-from flexoff.policy.cost_model import KINDS, VARS, Choice, CostModel, Prediction, Workload
+from flexoff.policy.cost_model import VARS, Choice, CostModel, Prediction, Workload
 from flexoff.policy.hardware import Hardware
 from flexoff.policy.policy import Policy
 

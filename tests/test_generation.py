@@ -10,7 +10,7 @@ import torch
 from flexoff import LLM, Policy
 from flexoff.errors import InputError
 from flexoff.sampling import BlockSampler, SamplingParams, filter_logits
-from reference import PROMPTS, hf_greedy, rel_err
+from reference import PROMPTS, rel_err
 
 
 def test_outputs_do_not_depend_on_batch_mates(tiny):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import csv
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -196,7 +196,3 @@ class SyntheticEfficiency(Scenario):
             chunk = ids[start:start + n]
             out.append((Instance(tokenizer.decode(chunk), (), TEST, f"id{i}"), chunk))
         return out
-
-
-def instance_dict(inst: Instance) -> dict[str, Any]:
-    return asdict(inst)

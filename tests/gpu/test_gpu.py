@@ -63,7 +63,7 @@ def test_policy_matrix_fp16_matches_transformers_on_gpu(tiny, gpu_refs, name):
 
 def test_kernels_equal_references_on_gpu():
     from flexoff.kernels import quant as K
-    from flexoff.quant.format import QuantConfig, dequantize_rows, quantize_rows, to_rows
+    from flexoff.quant.format import QuantConfig, dequantize_rows, quantize_rows
 
     torch.manual_seed(0)
     for bits, group, dtype in [(4, 64, torch.float16), (4, 32, torch.bfloat16), (8, 64, torch.float16)]:

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import stat
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -113,8 +111,9 @@ def test_offload_folder_removed_at_exit_and_on_sigterm(tmp_path):
                              "--input", str(prompts), "--output", str(tmp_path / "o.jsonl"), "--percent",
                              "0", "0", "0", "0", "100", "0", "--max-new-tokens", "64", "--gpu-batch-size", "1",
                              "--offload-dir", str(root)], cwd=tmp_path, stderr=subprocess.PIPE)
-    deadline = time.time() + 60
-    while time.time() < deadline and not (root.exists() and any(root.iterdir())):
+    out = tmp_path / "o.jsonl"
+    deadline = time.time() + 120  # signal mid-job: once the first block's results are written
+    while time.time() < deadline and not (out.exists() and out.read_text().count("\n") >= 1):
         time.sleep(0.05)
     assert any(root.iterdir())
     proc.send_signal(signal.SIGTERM)

@@ -8,8 +8,7 @@ import pytest
 
 from flexoff.checkpoint import load_model
 from flexoff.cli import main
-from flexoff.errors import MemoryBudgetError
-from flexoff.policy.cost_model import VARS, Choice, CostModel, Workload
+from flexoff.policy.cost_model import Choice, CostModel, Workload
 from flexoff.policy.hardware import flexgen_t4, h200
 from flexoff.policy.search import Budget, search, solve_lp
 
