@@ -2,12 +2,18 @@
 machine's memory bandwidth. Decides how flexoff lays out rows that CPU attention reads.
 
     python benchmarks/cpu_attention.py [--rows 48 --heads 56 --head-dim 128 --tokens 544]
+    python benchmarks/cpu_attention.py --contention 4,8,12,16   # with host-to-device copies running
+
+--contention measures, for each CPU-attention thread count, attention alone, and attention and
+pinned host-to-device copies (the engine's weight stream) running at the same time: both draw on
+host memory bandwidth.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -35,6 +41,57 @@ def memcpy_bandwidth() -> tuple[float, float]:
     return 2 * big.numel() * 4 / s / 1e9, s
 
 
+def contention(threads: list[int], b: int, h: int, d: int, t: int, seconds: float = 1.5) -> list[dict]:
+    """Attention (head-major fp16) and 32 MB host-to-device copies of a pinned 1 GiB buffer,
+    each alone and both at once, per attention thread count."""
+    from flexoff.models.attention import attend
+
+    q = torch.randn(b, h, 1, d).half()
+    hm = torch.randn(2, b, h, t, d).half()
+    mask = torch.ones(b, 1, t, dtype=torch.bool)
+    kv_bytes = 2 * b * h * t * d * 2
+    src = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.Stream()
+    chunk = 32 << 20
+
+    def h2d_for(stop: threading.Event | None, until: float) -> float:
+        n = 0
+        t0 = time.perf_counter()
+        while time.perf_counter() < until and not (stop and stop.is_set()):
+            with torch.cuda.stream(stream):
+                for off in range(0, src.numel(), chunk):
+                    dst[off:off + chunk].copy_(src[off:off + chunk], non_blocking=True)
+            stream.synchronize()
+            n += src.numel()
+        return n / (time.perf_counter() - t0) / 1e9
+
+    def attention_for(nthreads: int, until: float, out: list) -> None:
+        torch.set_num_threads(nthreads)
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() < until:
+            attend(q, hm[0], hm[1], mask, d**-0.5)
+            n += 1
+        out.append(n * kv_bytes / (time.perf_counter() - t0) / 1e9)
+
+    alone_h2d = h2d_for(None, time.perf_counter() + seconds)
+    rows = [{"threads": 0, "attention alone GB/s": 0.0, "h2d alone GB/s": alone_h2d}]
+    for n in threads:
+        res: list = []
+        th = threading.Thread(target=attention_for, args=(n, time.perf_counter() + seconds, res))
+        th.start()
+        th.join()
+        alone = res.pop()
+        th = threading.Thread(target=attention_for, args=(n, time.perf_counter() + seconds, res))
+        th.start()
+        both_h2d = h2d_for(None, time.perf_counter() + seconds - 0.1)
+        th.join()
+        rows.append({"threads": n, "attention alone GB/s": alone, "attention with h2d GB/s": res.pop(),
+                     "h2d alone GB/s": alone_h2d, "h2d with attention GB/s": both_h2d})
+        rows[-1]["sum GB/s"] = rows[-1]["attention with h2d GB/s"] + both_h2d
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=48)
@@ -42,10 +99,20 @@ def main() -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--tokens", type=int, default=544)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out"))
+    ap.add_argument("--contention", default=None, metavar="THREADS", help="e.g. 4,8,12,16 (needs CUDA)")
     args = ap.parse_args()
     from flexoff.models.attention import attend
 
     b, h, d, t = args.rows, args.heads, args.head_dim, args.tokens
+    if args.contention:
+        rows = contention([int(x) for x in args.contention.split(",")], b, h, d, t)
+        cols = ["threads", "attention alone GB/s", "attention with h2d GB/s", "h2d alone GB/s",
+                "h2d with attention GB/s", "sum GB/s"]
+        print(f"{b} rows x {h} heads x {t} tokens x {d}, fp16 head-major")
+        print(table(rows, cols))
+        write_jsonl(args.out / "contention.jsonl", [{**environment(), **vars(args), "out": str(args.out), **r}
+                                                    for r in rows])
+        return 0
     copy_bw, s = memcpy_bandwidth()
     rows = [{"variant": "memcpy (read+write)", "dtype": "", "ms": s * 1e3, "GB/s": copy_bw}]
     mask = torch.ones(b, 1, t, dtype=torch.bool)

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The device measurements behind benchmarks/RESULTS.md, in two calls that each fit a 10-minute lease:
+# The device measurements behind benchmarks/RESULTS.md, in calls that each fit a 10-minute lease:
+#   PHASE=0 bash benchmarks/device_measure.sh OUT   # GPU tests, GPU memory plan vs peak, host memory
+#                                                   # contention, OPT-30B with weights and cache on CPU
 #   PHASE=A bash benchmarks/device_measure.sh OUT   # OPT-30B 512+32, 16 GiB GPU: policies, ablations, frontier
 #   PHASE=B bash benchmarks/device_measure.sh OUT   # eval run on OPT-30B; the Accelerate baseline
 #   PHASE=C bash benchmarks/device_measure.sh OUT   # a shortened A and B in one lease
@@ -34,6 +36,18 @@ baseline() {  # $1: seconds
     --out "$OUT" 2>&1 | tail -4
 }
 case "${PHASE:-A}" in
+  0) echo "=== gpu tests ($(date +%T))"
+     python3 -m pytest -q -x -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
+     echo "=== memcheck ($(date +%T))"
+     timeout 150 python3 benchmarks/memcheck.py --model dummy:opt-30b --layers 4 --gpu-mem 16GiB --cpu-mem 100GiB \
+       --hardware $HW --policy auto --policy auto+c --policy "8x1:22.7,77.3,0,100,100,0:a" \
+       --policy "32x1:0,100,0,100,100,0:a" --policy "24x2:0,100,0,100,100,0:a" --out "$OUT" 2>&1 | tail -9
+     echo "=== contention ($(date +%T))"
+     timeout 60 python3 benchmarks/cpu_attention.py --rows 32 --tokens 528 --contention 4,8,12,16 --out "$OUT" 2>&1
+     echo "=== opt-30b, weights and cache on CPU ($(date +%T))"
+     timeout $((${LEFT:-250})) python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW \
+       --policy "32x1:0,100,0,100,100,0:a" --policy "16x2:0,100,0,100,100,0:a" --policy "24x2:0,100,0,100,100,0:a" \
+       --out "$OUT" 2>&1 | grep -v "^\s*$" ;;
   A) timeout 570 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW --policy auto \
        "${CPU[@]}" --ablations --frontier 8x1,1x1 --time-budget 440 --out "$OUT" 2>&1 | grep -v "^\s*$" ;;
   B) evaluation 290; baseline 270 ;;

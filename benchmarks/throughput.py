@@ -25,7 +25,8 @@ import torch
 from common import environment, table, write_jsonl
 
 COLUMNS = ["label", "model", "policy", "prefill_s", "decode_s", "gen_tok_s", "decode_tok_s", "predicted_tok_s",
-           "measured/predicted", "decode_bound_s", "decode/bound", "peak_gpu_GiB", "peak_cpu_GiB"]
+           "measured/predicted", "decode_bound_s", "decode/bound", "decode_link_busy", "decode_link_GBps",
+           "peak_gpu_GiB", "peak_cpu_GiB"]
 
 
 def parse_policy(text: str) -> Any:
@@ -62,13 +63,16 @@ class Bench:
         self.env = environment()
         self.out, self.deadline = out, deadline
         self.done: dict[tuple, dict[str, Any]] = {}  # (policy, lengths) -> record
+        self.searched: dict[Any, Any] = {}  # a searched policy -> how to search it again
 
     def resolve(self, spec: Any, prompt_len: int, gen_len: int, n: int | None, **search: Any) -> Any:
         from flexoff.autopolicy import auto_policy
 
         if spec in ("auto", "auto+c"):
             self.llm.compression = ("auto", "auto") if spec == "auto+c" else ("off", "off")
-            return auto_policy(self.llm, prompt_len, gen_len, n, **search)
+            p = auto_policy(self.llm, prompt_len, gen_len, n, **search)
+            self.searched[p] = lambda: self.resolve(spec, prompt_len, gen_len, n, **search)
+            return p
         return spec
 
     def run(self, label: str, policy: Any, prompt_len: int, gen_len: int, num_prompts: int | None = None,
@@ -81,7 +85,12 @@ class Bench:
             print(f"skipped {label}: past the time budget", file=sys.stderr, flush=True)
             return None
         try:
-            rec = self._measure(label, policy, prompt_len, gen_len, num_prompts, kind)
+            try:
+                rec = self._measure(label, policy, prompt_len, gen_len, num_prompts, kind)
+            except torch.OutOfMemoryError:
+                if policy not in self.searched:
+                    raise
+                rec = self._search_again(label, policy, prompt_len, gen_len, num_prompts, kind)
         except Exception as e:  # e.g. a hand-written policy over the budget: recorded, not fatal
             print(f"{label}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
             if self.out is not None:
@@ -92,9 +101,28 @@ class Bench:
         self.done[key] = rec
         if self.out is not None:
             write_jsonl(self.out / "runs.jsonl", [rec])  # every run as it ends (survives a timeout)
-        rec["policy_obj"] = policy
+        rec["policy_obj"] = type(policy).from_dict(rec["policy_json"])
         print(table([rec], COLUMNS), flush=True)
         return rec
+
+    def _search_again(self, label: str, policy: Any, prompt_len: int, gen_len: int, num_prompts: int | None,
+                      kind: str) -> dict[str, Any]:
+        """What `--policy auto` does after running out of GPU memory: search with less of it."""
+        from flexoff.api import OOM_RETRIES, oom_step
+
+        for attempt in range(OOM_RETRIES):
+            self.llm.drop_engine()
+            self.llm.gpu_margin += oom_step(self.budgets["gpu_mem"] or torch.cuda.mem_get_info()[1])
+            print(f"{label}: out of GPU memory with {policy.describe()}; searching with "
+                  f"{self.llm.gpu_margin / 2**30:.1f} GiB less", file=sys.stderr, flush=True)
+            failed, policy = policy.describe(), self.searched[policy]()
+            try:
+                rec = self._measure(label, policy, prompt_len, gen_len, num_prompts, kind)
+                return dict(rec, out_of_memory_first=failed, gpu_margin=self.llm.gpu_margin)
+            except torch.OutOfMemoryError:
+                if attempt == OOM_RETRIES - 1:
+                    raise
+        raise AssertionError("unreachable")
 
     def _measure(self, label: str, policy: Any, prompt_len: int, gen_len: int, num_prompts: int | None,
                  kind: str) -> dict[str, Any]:
@@ -132,13 +160,22 @@ class Bench:
                "predicted_tok_s": pred.throughput, "predicted_bottleneck": pred.bottleneck,
                "measured/predicted": st.generation_throughput / pred.throughput,
                "decode_bound_s": bound, "decode/bound": st.decode_s / bound if bound else None,
-               "pcie_bound_s": pcie, "traffic_prefill": st.traffic_prefill, "traffic_decode": td,
+               "pcie_bound_s": pcie, **link_use(td, st.decode_s), "traffic_prefill": st.traffic_prefill, "traffic_decode": td,
                "peak_bytes": st.peak_bytes, "peak_gpu_GiB": st.peak_bytes.get("gpu", 0) / gib,
                "peak_cpu_GiB": st.peak_bytes.get("cpu", 0) / gib, "hardware": self.hw.name, **self.env}
         return rec
 
     def close(self) -> None:
         self.llm.close()
+
+
+def link_use(traffic: dict[str, Any], seconds: float) -> dict[str, Any]:
+    """How busy the engine kept the host-to-device link in decode, and its rate while busy
+    (from CUDA events around every copy; absent without CUDA)."""
+    busy = traffic.get("h2d_busy_s", 0)
+    if not busy or not seconds:
+        return {}
+    return {"decode_link_busy": busy / seconds, "decode_link_GBps": traffic.get("h2d", 0) / busy / 1e9}
 
 
 def naive_policy(bench: Bench, prompt_len: int, gen_len: int) -> Any:

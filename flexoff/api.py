@@ -10,6 +10,7 @@ Does not know: files and resumption (flexoff.jobs), the schedule (offload/).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Iterable, Sequence
 
@@ -17,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from flexoff.checkpoint import LoadedModel, load_model
-from flexoff.errors import FlexoffError, InputError
+from flexoff.errors import FlexoffError, InputError, MemoryBudgetError
 from flexoff.generation import Completion, Request, RunStats, plan_blocks, run_block
 from flexoff.offload.engine import Engine
 from flexoff.offload.tiers import Budgets, Tiers
@@ -28,6 +29,12 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 PARAM_FIELDS = {f.name for f in fields(SamplingParams)}
 DEFAULT_BATCH = 16
+OOM_RETRIES = 2  # searches again with less GPU memory after running out, for --policy auto
+
+
+def oom_step(gpu_budget: int) -> int:
+    """GPU bytes a search leaves unplanned more after the GPU ran out of memory."""
+    return min(2 << 30, gpu_budget // 8)
 
 
 def pick_device(device: str | torch.device = "auto") -> torch.device:
@@ -89,6 +96,7 @@ class LLM:
         self.progress = progress
         self.hardware = hardware
         self.last_policy: Policy | None = None
+        self.gpu_margin = 0  # GPU bytes --policy auto leaves unplanned, raised after running out
         self.compression = compression  # what --policy auto may use: off / on / auto, weights and cache
         self.engine: Engine | None = None
         self.tiers: Tiers | None = None  # outlive engines, with the resident weights
@@ -270,24 +278,45 @@ class LLM:
         if not reqs:
             return GenerationOutput([], stats)
         policy = self.last_policy = self.choose_policy(reqs)
-        engine = self.engine_for(policy, max(len(r.prompt_ids) for r in reqs),
-                                 max(1, max(r.params.max_new_tokens for r in reqs)))
         done: dict[str, Completion] = {}
         bar = tqdm(total=len(reqs), desc="generating", unit="prompt", disable=not self.progress)
         try:
-            for block in plan_blocks(reqs, policy.block_size):
-                comps, st = run_block(engine, self.tokenizer, block, self.seed, prompt_logprobs, on_logits)
-                st.peak_bytes = engine.peaks()
-                stats.add(st)
-                for c in comps:
-                    done[c.id] = c
-                if on_block is not None:
-                    on_block(comps, st)
-                bar.update(len(block))
-                bar.set_postfix_str(f"{stats.generation_throughput:.1f} tok/s")
+            for attempt in range(OOM_RETRIES + 1):
+                todo = [r for r in reqs if r.id not in done]
+                engine = self.engine_for(policy, max(len(r.prompt_ids) for r in todo),
+                                         max(1, max(r.params.max_new_tokens for r in todo)))
+                try:
+                    for block in plan_blocks(todo, policy.block_size):
+                        comps, st = run_block(engine, self.tokenizer, block, self.seed, prompt_logprobs, on_logits)
+                        st.peak_bytes = engine.peaks()
+                        stats.add(st)
+                        for c in comps:
+                            done[c.id] = c
+                        if on_block is not None:
+                            on_block(comps, st)
+                        bar.update(len(block))
+                        bar.set_postfix_str(f"{stats.generation_throughput:.1f} tok/s")
+                    break
+                except torch.OutOfMemoryError:
+                    policy = self.last_policy = self._after_oom(policy, todo, attempt)
         finally:
             bar.close()
         return GenerationOutput([done[r.id] for r in reqs], stats, policy)
+
+    def _after_oom(self, policy: Policy, todo: list[Request], attempt: int) -> Policy:
+        """The GPU ran out of memory in a block (finished blocks are kept). A searched policy is
+        searched again with less GPU memory; a given one is an error that says what to change."""
+        self.drop_engine()
+        if self.policy_arg != "auto" or attempt == OOM_RETRIES:
+            raise MemoryBudgetError(
+                f"the GPU ran out of memory running {policy.describe()}: lower --gpu-mem, move more "
+                "weights or cache off the GPU, or use a smaller --gpu-batch-size") from None
+        cap = self.options.budgets.gpu or (torch.cuda.get_device_properties(self.device).total_memory
+                                           if self.device.type == "cuda" else 0)
+        self.gpu_margin += oom_step(cap)
+        warnings.warn(f"out of GPU memory with {policy.describe()}; searching again with "
+                      f"{self.gpu_margin / 2**30:.2f} GiB less GPU memory", stacklevel=3)
+        return self.choose_policy(todo)
 
     def __enter__(self) -> "LLM":
         return self

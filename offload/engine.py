@@ -13,6 +13,7 @@ passes a sampler and an on_tokens callback), where prompts come from.
 from __future__ import annotations
 
 import resource
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
@@ -35,6 +36,7 @@ from flexoff.policy.policy import Policy
 
 Sampler = Callable[[torch.Tensor, int, int], torch.Tensor]  # (logits (n, V), batch, step) -> ids (n,)
 OnTokens = Callable[[int, list[torch.Tensor]], bool]  # (step, host ids per batch) -> stop?
+SWITCH_INTERVAL = 2e-4  # seconds; Python's default is 5e-3
 
 
 @dataclass
@@ -241,6 +243,19 @@ class Engine:
     def run_block(self, batches: list[BatchInput], gen_len: int, sampler: Sampler, on_tokens: OnTokens,
                   prompt_logprobs: bool = False) -> BlockResult:
         """Generate up to gen_len tokens for every sequence of a block of GPU batches."""
+        if not (self.lanes.cuda and self.policy.cpu_cache_compute):
+            return self._run(batches, gen_len, sampler, on_tokens, prompt_logprobs)
+        # CPU attention's thread and the scheduling thread hand the GIL back and forth every
+        # layer: a short switch interval keeps either from waiting the default 5 ms for it
+        interval = sys.getswitchinterval()
+        sys.setswitchinterval(min(interval, SWITCH_INTERVAL))
+        try:
+            return self._run(batches, gen_len, sampler, on_tokens, prompt_logprobs)
+        finally:
+            sys.setswitchinterval(interval)
+
+    def _run(self, batches: list[BatchInput], gen_len: int, sampler: Sampler, on_tokens: OnTokens,
+             prompt_logprobs: bool) -> BlockResult:
         p, L, K = self.policy, len(self.spec.layers), len(batches)
         S = batches[0].ids.shape[1]
         assert 1 <= K <= p.num_gpu_batches and all(b.ids.shape[0] <= p.gpu_batch_size for b in batches)
@@ -253,6 +268,9 @@ class Engine:
         if p.overlap:
             self.weights.prefetch(0)
         three_slots = len(self.weights.slots) >= 3
+        # with three slots weights are prefetched two layers ahead, issued once the layer before
+        # this one has finished for every batch (its slot is the one reused)
+        ahead, at = (2, min(1, K - 1)) if three_slots else (1, 0)
         for step, nxt in zigzag(gen_len, L, K):
             i, j, k = step
             # the same batch's data; or, with two weight slots, the slot the prefetch will reuse
@@ -260,7 +278,7 @@ class Engine:
                 self._finish(pending)
                 pending = None
             if p.overlap:
-                self._prefetch(step, nxt, states, gen_len)
+                self._prefetch(step, nxt, states, gen_len, ahead if k == at else 0)
             cont = self._compute(step, states[k])
             if pending is not None:
                 self._finish(pending)
@@ -279,23 +297,28 @@ class Engine:
         return clock.finish(states)
 
     def traffic(self) -> dict[str, float]:
-        """Bytes issued so far: by copy path, and KV bytes read by CPU attention; and seconds the
-        main thread waited for CPU attention and the CPU lane spent on it."""
-        return {**self.mover.traffic, "cpu_attention": self.cpu_attention_bytes, **self.timing}
+        """Bytes issued so far: by copy path, and KV bytes read by CPU attention; seconds the main
+        thread waited for CPU attention and the CPU lane spent on it, and seconds the link was busy
+        with the engine's host-to-device copies (CUDA)."""
+        return {**self.mover.traffic, "cpu_attention": self.cpu_attention_bytes, **self.timing,
+                "h2d_busy_s": self.mover.link_seconds()}
 
     def _finish(self, pending: _Pending) -> None:
         t0 = time.perf_counter()
         pending.finish()
         self.timing["wait_cpu_attention_s"] += time.perf_counter() - t0
 
-    def _prefetch(self, step: Step, nxt: Step | None, states: list[_Batch], gen_len: int) -> None:
-        """Issue the loads for what comes next, overlapping this step's compute."""
+    def _prefetch(self, step: Step, nxt: Step | None, states: list[_Batch], gen_len: int, ahead: int) -> None:
+        """Issue the loads for what comes next, overlapping this step's compute: the weights of
+        the `ahead` layers after this one (wrapping to the next token step), the next batch's
+        KV cache and hidden state."""
         i, j, k = step
         L = len(self.spec.layers)
-        if k == 0:
-            target = j + 1 if j + 1 < L else (0 if i + 1 < gen_len else None)
-            if target is not None:
-                self.weights.prefetch(target)
+        for d in range(1, ahead + 1):
+            if j + d < L:
+                self.weights.prefetch(j + d)
+            elif i + 1 < gen_len:
+                self.weights.prefetch(j + d - L)
         if nxt is None:
             return
         ni, nj, nk = nxt

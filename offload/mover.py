@@ -19,6 +19,7 @@ from flexoff.offload.lanes import DONE, Event, Lanes
 from flexoff.offload.tiers import DiskFile, Ledger
 
 CHUNK = 32 << 20  # bytes per disk transfer chunk
+LINK_CHUNK = 32 << 20  # bytes per host-device copy call
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,8 @@ class Mover:
         self.traffic: dict[str, int] = {k: 0 for k in ("h2d", "d2h", "d2d", "host", "disk_read", "disk_write")}
         self._bounce: dict[str, list[torch.Tensor]] = {}  # pinned, allocated on first disk use
         self._bounce_ev: dict[str, list] = {"read": [None, None], "write": [None, None]}
+        self.link_s = 0.0  # seconds the link spent on host-to-device copies (CUDA), once measured
+        self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
     def copy(self, dst: Span, src: Span, deps: Iterable[Event] = (),
              lane: Literal["load", "store"] = "load") -> Event:
@@ -67,14 +70,34 @@ class Mover:
 
         def fn() -> None:
             d, s = dst.mem(), src.mem()
+            timed = d.is_cuda and not s.is_cuda
+            if timed:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record()
             # in chunks, so small copies of other streams (CPU attention's) interleave with big ones
-            for off in range(0, d.numel(), self.chunk * 2):
-                d[off:off + self.chunk * 2].copy_(s[off:off + self.chunk * 2], non_blocking=True)
+            for off in range(0, d.numel(), LINK_CHUNK):
+                d[off:off + LINK_CHUNK].copy_(s[off:off + LINK_CHUNK], non_blocking=True)
+            if timed:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self._timed.append((start, end))
             for t in (d, s):  # keep transient device tensors alive for this stream
                 if t.is_cuda:
                     t.record_stream(torch.cuda.current_stream(t.device))
 
         return (self.lanes.load if lane == "load" else self.lanes.store).run(fn, deps)
+
+    def link_seconds(self) -> float:
+        """Seconds host-to-device copies have kept the link busy so far (copies still in flight
+        are counted once they end). Zero without CUDA."""
+        running = []
+        for start, end in self._timed:
+            if end.query():
+                self.link_s += start.elapsed_time(end) / 1e3
+            else:
+                running.append((start, end))
+        self._timed = running
+        return self.link_s
 
     def _count(self, dst: Span, src: Span) -> None:
         """Bytes by path; disk traffic to or from the GPU also crosses the PCIe link."""

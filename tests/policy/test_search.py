@@ -124,3 +124,40 @@ def test_auto_policy_runs_the_job(tiny, tiny_refs, tmp_path):
         out = llm.generate([{"prompt_ids": p} for p in PROMPTS], max_new_tokens=8)
         assert out.policy.w_gpu_percent < 100  # a 1 MiB "GPU" cannot hold the weights
     assert [c.token_ids for c in out.completions] == [r for r, _ in tiny_refs["llama"]]
+
+
+def test_auto_policy_searches_again_after_the_gpu_runs_out(tiny, tiny_refs, tmp_path, monkeypatch):
+    import torch
+
+    import flexoff.api as api
+    from flexoff import LLM
+    from flexoff.errors import MemoryBudgetError
+    from flexoff.policy.hardware import save
+    from flexoff.policy.policy import Policy
+    from reference import PROMPTS
+
+    hw = h200()
+    profile = tmp_path / "hw.json"
+    save(hw.__class__(**{**hw.__dict__, "device": "cpu", "name": "test"}), profile)
+    s = load_model(str(tiny["llama"].path)).spec
+    gpu_mem = s.weight_bytes(4) + 2 * s.working_bytes(len(PROMPTS), 15, 4, "cpu")
+    real, calls = api.run_block, []
+
+    def fails_once(engine, *args, **kw):  # the first block runs out of (simulated) GPU memory
+        calls.append(engine.policy)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(engine, *args, **kw)
+
+    monkeypatch.setattr(api, "run_block", fails_once)
+    with LLM(str(tiny["llama"].path), policy="auto", hardware=str(profile), gpu_mem=gpu_mem,
+             cpu_mem=1 << 30) as llm:
+        out = llm.generate([{"prompt_ids": p} for p in PROMPTS], max_new_tokens=8)
+        assert llm.gpu_margin == api.oom_step(gpu_mem)
+    assert len(calls) >= 2 and out.policy == calls[-1]
+    assert [c.token_ids for c in out.completions] == [r for r, _ in tiny_refs["llama"]]
+
+    calls.clear()  # a policy the user gave is not changed: a one-line error says what to do
+    with LLM(str(tiny["llama"].path), policy=Policy(gpu_batch_size=2), gpu_mem=gpu_mem) as llm:
+        with pytest.raises(MemoryBudgetError, match="ran out of memory running 2x1"):
+            llm.generate([{"prompt_ids": p} for p in PROMPTS], max_new_tokens=8)
