@@ -2,12 +2,13 @@
 # The device measurements behind benchmarks/RESULTS.md, in calls that each fit a 10-minute lease:
 #   PHASE=0 bash benchmarks/device_measure.sh OUT   # GPU tests, GPU memory plan vs peak, host memory
 #                                                   # contention, OPT-30B with weights and cache on CPU
-#   PHASE=A bash benchmarks/device_measure.sh OUT   # OPT-30B 512+32, 16 GiB GPU: policies, ablations, frontier
-#   PHASE=B bash benchmarks/device_measure.sh OUT   # eval run on OPT-30B; the Accelerate baseline
-#   PHASE=C bash benchmarks/device_measure.sh OUT   # a shortened A and B in one lease
-#   PHASE=D bash benchmarks/device_measure.sh OUT   # auto on OPT-30B and the eval run only
+#   PHASE=A bash benchmarks/device_measure.sh OUT   # GPU tests; OPT-30B 512+32, 16 GiB GPU: weights and
+#                                                   # cache on CPU at three shapes, auto, ablations
+#   PHASE=B bash benchmarks/device_measure.sh OUT   # eval run on OPT-30B; auto, frontier shapes and the
+#                                                   # Accelerate baseline in one run (for its ratio)
 # Predictions use benchmarks/data/h200-measured.json (flexoff profile on the device, with CPU attention
-# measured at OPT-30B's decode shape by benchmarks/cpu_attention.py).
+# measured at OPT-30B's decode shape, 12 threads, while host-to-device copies run, by
+# `benchmarks/cpu_attention.py --rows 32 --tokens 528 --contention 4,8,12,16`).
 set -u
 OUT=${1:?usage: PHASE=A|B device_measure.sh OUT_DIR}
 mkdir -p "$OUT"
@@ -16,7 +17,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
 fi
-python3 -m pip install -q --no-build-isolation --no-deps -e . >"$OUT/install.log" 2>&1 || tail -5 "$OUT/install.log"
+python3 -m pip install -q --no-build-isolation --no-deps -e . >/tmp/install.log 2>&1 || tail -5 /tmp/install.log
 export FLEXOFF_COMMIT=$(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
 HW=benchmarks/data/h200-measured.json
 CPU=(--policy "24x2:0,100,0,100,100,0:a" --policy "32x1:0,100,0,100,100,0:a" --policy "16x2:0,100,0,100,100,0:a")
@@ -24,16 +25,12 @@ OPT30=(--model dummy:opt-30b --prompt-len 512 --gen-len 32 --cpu-mem 100GiB)
 evaluation() {  # $1: seconds
   echo "=== eval ($(date +%T))"
   timeout "$1" flexoff eval run --run-entries "synthetic_reasoning:mode=pattern_match" --model dummy:opt-30b \
-    --policy auto --gpu-mem 48GiB --cpu-mem 100GiB --hardware $HW --max-eval-instances 200 --suite device \
-    --output-path "$OUT/eval" -q 2>&1 | tail -4
-  flexoff eval summarize --suite device --output-path "$OUT/eval" 2>&1 | tail -3
-  cp "$OUT"/eval/runs/device/*/stats.json "$OUT/eval_stats.json" 2>/dev/null
-  cp "$OUT"/eval/runs/device/summary.md "$OUT/eval_summary.md" 2>/dev/null
-}
-baseline() {  # $1: seconds
-  echo "=== baseline ($(date +%T))"
-  timeout "$1" python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --no-flexoff --baseline 8 \
-    --out "$OUT" 2>&1 | tail -4
+    --policy auto --compress-weight --compress-cache --gpu-mem 16GiB --cpu-mem 100GiB --hardware $HW \
+    --max-eval-instances 200 --suite device \
+    --output-path /tmp/eval -q 2>&1 | tail -4
+  flexoff eval summarize --suite device --output-path /tmp/eval 2>&1 | tail -3
+  cp /tmp/eval/runs/device/*/stats.json "$OUT/eval_stats.json" 2>/dev/null
+  cp /tmp/eval/runs/device/summary.md "$OUT/eval_summary.md" 2>/dev/null
 }
 case "${PHASE:-A}" in
   0) echo "=== gpu tests ($(date +%T))"
@@ -48,14 +45,14 @@ case "${PHASE:-A}" in
      timeout $((${LEFT:-250})) python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW \
        --policy "32x1:0,100,0,100,100,0:a" --policy "16x2:0,100,0,100,100,0:a" --policy "24x2:0,100,0,100,100,0:a" \
        --out "$OUT" 2>&1 | grep -v "^\s*$" ;;
-  A) timeout 570 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW --policy auto \
-       "${CPU[@]}" --ablations --frontier 8x1,1x1 --time-budget 440 --out "$OUT" 2>&1 | grep -v "^\s*$" ;;
-  B) evaluation 290; baseline 270 ;;
-  C) timeout 300 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW --policy auto \
-       "${CPU[@]:0:4}" --ablations --frontier 8x1 --time-budget 215 --out "$OUT" 2>&1 | grep -v "^\s*$" | tail -40
-     evaluation 130; baseline 125 ;;
-  D) timeout 95 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW --policy auto \
-       --time-budget 45 --out "$OUT" 2>&1 | tail -5
-     evaluation 125 ;;
+  A) echo "=== gpu tests ($(date +%T))"
+     python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
+     echo "=== opt-30b ($(date +%T))"
+     timeout 470 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW "${CPU[@]}" \
+       --policy auto --ablations --time-budget 360 --out "$OUT" 2>&1 | grep -v "^\s*$" | grep -v "^label\|^---" ;;
+  B) evaluation 150
+     echo "=== frontier and baseline ($(date +%T))"
+     timeout 390 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW --policy auto \
+       --frontier 8x1,1x1 --baseline 8 --time-budget 120 --out "$OUT" 2>&1 | grep -v "^\s*$" | grep -v "^---" ;;
 esac
 echo "=== done ($(date +%T))"

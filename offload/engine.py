@@ -12,6 +12,7 @@ passes a sampler and an on_tokens callback), where prompts come from.
 
 from __future__ import annotations
 
+import os
 import resource
 import sys
 import time
@@ -37,6 +38,14 @@ from flexoff.policy.policy import Policy
 Sampler = Callable[[torch.Tensor, int, int], torch.Tensor]  # (logits (n, V), batch, step) -> ids (n,)
 OnTokens = Callable[[int, list[torch.Tensor]], bool]  # (step, host ids per batch) -> stop?
 SWITCH_INTERVAL = 2e-4  # seconds; Python's default is 5e-3
+
+
+def cpu_attention_threads() -> int:
+    """Threads CPU attention computes with next to a GPU: FLEXOFF_CPU_THREADS, or three quarters
+    of torch's threads, leaving cores to the threads that drive the GPU (an OpenMP team that
+    shares a core with them waits for its slowest member at every operation)."""
+    env = os.environ.get("FLEXOFF_CPU_THREADS")
+    return max(1, int(env) if env else torch.get_num_threads() * 3 // 4)
 
 
 @dataclass
@@ -200,6 +209,7 @@ class Engine:
             self.close()
             raise
         self._sampler: Sampler | None = None
+        self._cpu_threads = cpu_attention_threads() if self.lanes.cuda and policy.cpu_cache_compute else 0
         self.cpu_attention_bytes = 0
         self.timing = {"wait_cpu_attention_s": 0.0, "cpu_attention_compute_s": 0.0, "cpu_attention_copies_s": 0.0}
 
@@ -247,12 +257,13 @@ class Engine:
             return self._run(batches, gen_len, sampler, on_tokens, prompt_logprobs)
         # CPU attention's thread and the scheduling thread hand the GIL back and forth every
         # layer: a short switch interval keeps either from waiting the default 5 ms for it
-        interval = sys.getswitchinterval()
+        interval, threads = sys.getswitchinterval(), torch.get_num_threads()
         sys.setswitchinterval(min(interval, SWITCH_INTERVAL))
         try:
             return self._run(batches, gen_len, sampler, on_tokens, prompt_logprobs)
         finally:
             sys.setswitchinterval(interval)
+            torch.set_num_threads(threads)  # the default for threads started later
 
     def _run(self, batches: list[BatchInput], gen_len: int, sampler: Sampler, on_tokens: OnTokens,
              prompt_logprobs: bool) -> BlockResult:
@@ -410,8 +421,11 @@ class Engine:
         rows, scale, timing = r1 - r0, self.fam.scale, self.timing
         mask = st.valid_host[r0:r1, None, :t + 1]
         cap = kv.split["cpu"]
+        threads = self._cpu_threads
 
         def task() -> torch.Tensor:
+            if threads and torch.get_num_threads() != threads:  # per thread: set on the lane's own
+                torch.set_num_threads(threads)
             t0 = time.perf_counter()
             qh, kh, vh = io.to_host(q, k, v)
             t1 = time.perf_counter()

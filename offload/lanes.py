@@ -154,6 +154,8 @@ class Lanes:
         self.disk_read = ThreadLane("disk-read")
         self.disk_write = ThreadLane("disk-write")
         self.cpu = ThreadLane("cpu-attention")
+        # paces large host-to-device copies onto the load stream (see Mover); CUDA only
+        self.feed: ThreadLane | None = ThreadLane("feed") if self.cuda else None
 
     def to_host(self, *ts: torch.Tensor) -> list[torch.Tensor]:
         """Host copies of device tensors, made on the store stream; for worker threads (whose
@@ -165,7 +167,7 @@ class Lanes:
         return out
 
     def _all(self) -> list:
-        return [self.load, self.store, self.disk_read, self.disk_write, self.cpu]
+        return [self.load, self.store, self.disk_read, self.disk_write, self.cpu] + ([self.feed] if self.feed else [])
 
     def sync(self) -> None:
         """Wait for everything issued so far (used at block edges and with overlap off)."""

@@ -10,6 +10,7 @@ Does not know: what the bytes are or why they move.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Literal
 
@@ -20,6 +21,7 @@ from flexoff.offload.tiers import DiskFile, Ledger
 
 CHUNK = 32 << 20  # bytes per disk transfer chunk
 LINK_CHUNK = 32 << 20  # bytes per host-device copy call
+IN_FLIGHT = 2  # paced copies keep this many chunks queued on the link
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,7 @@ class Mover:
         self._bounce: dict[str, list[torch.Tensor]] = {}  # pinned, allocated on first disk use
         self._bounce_ev: dict[str, list] = {"read": [None, None], "write": [None, None]}
         self.link_s = 0.0  # seconds the link spent on host-to-device copies (CUDA), once measured
-        self._timed: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._timed: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
 
     def copy(self, dst: Span, src: Span, deps: Iterable[Event] = (),
              lane: Literal["load", "store"] = "load") -> Event:
@@ -68,35 +70,61 @@ class Mover:
         if dst.on_disk:
             return self.lanes.disk_write.run(lambda: self._write(dst, src), deps)
 
+        deps = list(deps)
+        if lane == "load" and self.lanes.feed is not None and dst.buf.is_cuda and not src.buf.is_cuda \
+                and src.nbytes > IN_FLIGHT * LINK_CHUNK and not any(d.host_pending for d in deps):
+            return self.lanes.feed.run(lambda: self._paced(dst, src, deps))
+
         def fn() -> None:
             d, s = dst.mem(), src.mem()
             timed = d.is_cuda and not s.is_cuda
-            if timed:
-                start = torch.cuda.Event(enable_timing=True)
-                start.record()
-            # in chunks, so small copies of other streams (CPU attention's) interleave with big ones
+            start = self._mark(timed)
             for off in range(0, d.numel(), LINK_CHUNK):
                 d[off:off + LINK_CHUNK].copy_(s[off:off + LINK_CHUNK], non_blocking=True)
             if timed:
-                end = torch.cuda.Event(enable_timing=True)
-                end.record()
-                self._timed.append((start, end))
+                self._timed.append((start, self._mark(True)))
             for t in (d, s):  # keep transient device tensors alive for this stream
                 if t.is_cuda:
                     t.record_stream(torch.cuda.current_stream(t.device))
 
         return (self.lanes.load if lane == "load" else self.lanes.store).run(fn, deps)
 
+    def _paced(self, dst: Span, src: Span, deps: Iterable[Event]) -> Event:
+        """A large host-to-device copy enqueued chunk by chunk, never more than IN_FLIGHT chunks
+        ahead of the link (on the feed thread). The copy engine serves streams in the order copies
+        were queued, so a deep queue of weight chunks would hold back the small copies that CPU
+        attention returns through its own stream; this keeps their wait under a few chunks."""
+        stream = self.lanes.load.stream
+        d, s = dst.mem(), src.mem()
+        queued: deque[torch.cuda.Event] = deque()
+        with torch.cuda.stream(stream):
+            for dep in deps:
+                dep.wait_stream(stream)
+            start = self._mark(True)
+            for off in range(0, d.numel(), LINK_CHUNK):
+                if len(queued) >= IN_FLIGHT:
+                    queued.popleft().synchronize()
+                d[off:off + LINK_CHUNK].copy_(s[off:off + LINK_CHUNK], non_blocking=True)
+                queued.append(self._mark(True, blocking=True))
+            d.record_stream(stream)
+        self._timed.append((start, queued[-1]))
+        return Event(cuda=queued[-1])
+
+    @staticmethod
+    def _mark(timed: bool, blocking: bool = False) -> "torch.cuda.Event | None":
+        """An event recorded on the current stream (None when not timing)."""
+        if not timed:
+            return None
+        ev = torch.cuda.Event(enable_timing=True, blocking=blocking)
+        ev.record()
+        return ev
+
     def link_seconds(self) -> float:
         """Seconds host-to-device copies have kept the link busy so far (copies still in flight
         are counted once they end). Zero without CUDA."""
-        running = []
-        for start, end in self._timed:
-            if end.query():
-                self.link_s += start.elapsed_time(end) / 1e3
-            else:
-                running.append((start, end))
-        self._timed = running
+        while self._timed and self._timed[0][1].query():  # copies end in the order they were queued
+            start, end = self._timed.popleft()
+            self.link_s += start.elapsed_time(end) / 1e3
         return self.link_s
 
     def _count(self, dst: Span, src: Span) -> None:

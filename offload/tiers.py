@@ -65,7 +65,7 @@ class MemTier:
         if not fits:
             return None
         best = min(fits, key=lambda t: t.numel())
-        self._pool.remove(best)
+        del self._pool[next(i for i, t in enumerate(self._pool) if t is best)]  # by identity
         return best
 
     def free(self, t: torch.Tensor, nbytes: int) -> None:

@@ -169,5 +169,8 @@ def test_pinned_pool_reuses_and_trims(monkeypatch):
     assert len(unpinned) == 1 and mem.pooled == 0 and len(pinned) == 3
     mem.free(c, 900)
     mem.free(d, 5000)
+    e = mem.alloc(4500)  # the pooled buffer of its size, not the first one pooled
+    assert e.data_ptr() == d.data_ptr() and mem.pooled == 1000
+    mem.free(e, 4500)
     mem.close()
     assert len(unpinned) == 3 and mem.pooled == 0
