@@ -211,6 +211,7 @@ class LLM:
                 engine.close()
                 self.close()
                 raise
+        self.tiers.cpu.trim()  # pinned buffers the new engine did not reuse go back to the system
         self.engine = engine
         return engine
 

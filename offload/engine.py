@@ -211,7 +211,8 @@ class Engine:
         self._sampler: Sampler | None = None
         self._cpu_threads = cpu_attention_threads() if self.lanes.cuda and policy.cpu_cache_compute else 0
         self.cpu_attention_bytes = 0
-        self.timing = {"wait_cpu_attention_s": 0.0, "cpu_attention_compute_s": 0.0, "cpu_attention_copies_s": 0.0}
+        self.timing = {"wait_cpu_attention_s": 0.0, "cpu_attention_compute_s": 0.0, "cpu_attention_copies_s": 0.0,
+                       "cpu_attention_down_s": 0.0, "cpu_attention_calls": 0}
 
     # ---- setup ---------------------------------------------------------
     def load_weights(self, layers: Iterable[tuple[int, Mapping[str, torch.Tensor]]]) -> None:
@@ -442,7 +443,9 @@ class Engine:
             t2 = time.perf_counter()
             out = io.to_device(o)
             timing["cpu_attention_copies_s"] += (t1 - t0) + (time.perf_counter() - t2)
+            timing["cpu_attention_down_s"] += t1 - t0
             timing["cpu_attention_compute_s"] += t2 - t1
+            timing["cpu_attention_calls"] += 1
             return out
 
         self.cpu_attention_bytes += rows * (t + 1) * self.kv.codec.rec_bytes
