@@ -5,8 +5,9 @@
 #   PHASE=A bash benchmarks/device_measure.sh OUT   # GPU tests; OPT-30B 512+32, 16 GiB GPU: weights and
 #                                                   # cache on CPU at three shapes, auto, ablations
 #   PHASE=B bash benchmarks/device_measure.sh OUT   # ablations, and the frontier from their runs and 8x1
-#   PHASE=C bash benchmarks/device_measure.sh OUT   # eval run on OPT-30B; the full system and the
-#                                                   # Accelerate baseline in one run (for its ratio)
+#   PHASE=C bash benchmarks/device_measure.sh OUT   # eval run on OPT-30B (about 4 minutes)
+#   PHASE=D bash benchmarks/device_measure.sh OUT   # the full system and the Accelerate baseline in
+#                                                   # one run (for its ratio; about 6 minutes)
 # Predictions use benchmarks/data/h200-measured.json (flexoff profile on the device, with CPU attention
 # measured at OPT-30B's decode shape, 12 threads, while host-to-device copies run, by
 # `benchmarks/cpu_attention.py --rows 32 --tokens 528 --contention 4,8,12,16`).
@@ -54,9 +55,8 @@ case "${PHASE:-A}" in
   B) timeout 360 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW --ablations \
        --frontier 8x1 --time-budget 270 --out "$OUT" >"$OUT/b.log" 2>&1
      echo "exit $?"; free -g | head -2; grep -v "^\s*$" "$OUT/b.log" | grep -v "^---" ;;
-  C) evaluation 130
-     echo "=== full system and baseline ($(date +%T))"
-     timeout 270 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW --policy auto+c \
+  C) evaluation 400 ;;
+  D) timeout 560 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW --policy auto+c \
        --baseline 8 --out "$OUT" 2>&1 | grep -v "^\s*$" | grep -v "^---" ;;
 esac
 echo "=== done ($(date +%T))"

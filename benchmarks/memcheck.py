@@ -87,7 +87,7 @@ def main() -> int:
                            peak_GiB=torch.cuda.max_memory_allocated() / GiB,
                            reserved_GiB=torch.cuda.max_memory_reserved() / GiB)
                 row["peak/plan"] = row["peak_GiB"] / row["plan_GiB"]
-                row["ok"] = row["reserved_GiB"] <= row["plan_GiB"]
+                row["ok"] = row["peak_GiB"] <= row["plan_GiB"]
             except torch.OutOfMemoryError as e:
                 row.update(ok=False, error=str(e).split(".")[0])
             llm.drop_engine()

@@ -256,6 +256,13 @@ def pareto(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def short_policy(described: str) -> str:
+    """'16x24 (...) [compress_weight, no-overlap]' -> '16x24 4-bit, no overlap'."""
+    flags = [f for key, f in (("compress", "4-bit"), ("cpu_cache_compute", "CPU attn"), ("no-overlap", "no overlap"))
+             if key in described]
+    return described.split(" ")[0] + (" " + ", ".join(flags) if flags else "")
+
+
 def plot_frontier(points: list[dict[str, Any]], path: Path) -> bool:
     try:
         import matplotlib
@@ -270,7 +277,7 @@ def plot_frontier(points: list[dict[str, Any]], path: Path) -> bool:
     par = sorted((p for p in points if p["pareto"]), key=lambda p: p["latency_s"])
     ax.plot([p["latency_s"] for p in par], [p["gen_tok_s"] for p in par], "o-", color="C3", label="Pareto frontier")
     for p in points:
-        ax.annotate(p["label"].replace("block ", ""), (p["latency_s"], p["gen_tok_s"]), fontsize=7,
+        ax.annotate(short_policy(p["policy"]), (p["latency_s"], p["gen_tok_s"]), fontsize=7,
                     textcoords="offset points", xytext=(4, -8))
     ax.set_xlabel("block latency (s)")
     ax.set_ylabel("generation throughput (tokens/s)")
@@ -301,11 +308,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--time-budget", type=float, default=None, help="seconds after which no new run starts")
     ap.add_argument("--no-flexoff", action="store_true", help="only the baseline")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out"))
+    ap.add_argument("--replot", type=Path, nargs="+", default=None, metavar="RECORDS",
+                    help="draw the frontier from runs already recorded (JSON lines), running nothing")
     args = ap.parse_args(argv)
     from flexoff.cli import parse_size
 
     if args.smoke:
         return smoke(args.out)
+    if args.replot:
+        return replot(args.replot, args.out)
     deadline = time.time() + args.time_budget if args.time_budget else float("inf")
     models = args.model or ["dummy:opt-6.7b"]
     records: list[dict[str, Any]] = []
@@ -383,6 +394,29 @@ def finish(records: list[dict[str, Any]], out: Path) -> None:
     if base:
         print(table(base, ["label", "model", "gen_tok_s", "flexoff_best_tok_s", "flexoff/accelerate", "placement"]))
     print(f"{len(records)} records appended to {out / 'throughput.jsonl'}")
+
+
+def replot(files: list[Path], out: Path) -> int:
+    """The frontier of recorded runs of one model and workload (each policy once, first record
+    kept), drawn and tabled, for runs spread over several device calls."""
+    import json
+
+    runs: dict[tuple, dict[str, Any]] = {}
+    for f in files:
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            if r.get("kind") in ("run", "ablation", "frontier") and "gen_tok_s" in r and "same_run_as" not in r:
+                runs.setdefault((r["model"], r["prompt_len"], r["gen_len"], r["policy"]), r)
+    workloads = {k[:3] for k in runs}
+    if len(workloads) != 1:
+        raise SystemExit(f"--replot needs runs of one model and workload; found {sorted(workloads)}")
+    pts = pareto(list(runs.values()))
+    model, s, n = workloads.pop()
+    out.mkdir(parents=True, exist_ok=True)
+    plot_frontier(pts, out / f"frontier-{model.replace(':', '_')}-{s}-{n}.png")
+    print(table(sorted(pts, key=lambda p: p["latency_s"]),
+                ["label", "policy", "latency_s", "gen_tok_s", "pareto", "commit"]))
+    return 0
 
 
 def smoke(out: Path) -> int:

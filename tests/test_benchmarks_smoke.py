@@ -34,3 +34,11 @@ def test_smoke_suite_writes_valid_records(tmp_path):
     assert all(r["ratio_to_full"] > 0 for r in recs if r["kind"] == "ablation")
     front = [r for r in recs if r["kind"] == "frontier"]
     assert any(r["pareto"] for r in front) and all(r["latency_s"] > 0 for r in front)
+    # the frontier redrawn from the recorded runs: each policy once, the same Pareto points
+    again = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "throughput.py"), "--replot",
+                            str(tmp_path / "runs.jsonl"), "--out", str(tmp_path / "replot")],
+                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    policies = {r["policy"] for r in recs if r["kind"] in ("run", "ablation", "frontier")}
+    listed = [line for line in again.stdout.splitlines()[2:] if line.strip()]
+    assert len(listed) == len(policies)
