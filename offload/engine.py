@@ -5,7 +5,8 @@ for each token step, layer and GPU batch it prefetches the next layer's
 weights, loads the next batch's KV cache and activations, computes this batch
 and stores what it produced, each on its own lane, ordered by events; decode
 attention on the CPU next to a CPU-resident cache, overlapped with the next
-batch's GPU work; prefill and decode timing; peak memory per tier.
+batch's GPU work (its copies in and out on lanes of their own, so they overlap
+the attention of the call before); prefill and decode timing; peak memory per tier.
 Does not know: tokenization, sampling rules or stop conditions (the caller
 passes a sampler and an on_tokens callback), where prompts come from.
 """
@@ -96,31 +97,43 @@ class _Pending:
 
 class _HostIO:
     """Pinned buffers and two streams of its own through which CPU attention receives q, k, v and
-    returns its output (its own streams: never queued behind weight transfers)."""
+    returns its output (its own streams: never queued behind weight transfers). Two sets of
+    buffers, used by alternate calls, so one call's copies overlap the previous call's attention."""
+
+    SETS = 2
 
     def __init__(self, lanes: Lanes, mem: Ledger, rows: int, spec: ModelSpec, dtype: torch.dtype):
         self.lanes, self.cuda, self.device, self.dtype = lanes, lanes.cuda, mem.device, dtype
+        self.free: list[list[Event]] = [[] for _ in range(self.SETS)]  # when each set may be refilled
+        self.next = 0
         if self.cuda:
             qn, kvn = rows * spec.num_heads * spec.head_dim, rows * spec.num_kv_heads * spec.head_dim
-            self.bufs = [mem.alloc("cpu", n * dtype.itemsize).view(dtype) for n in (qn, kvn, kvn, qn)]
+            self.bufs = [[mem.alloc("cpu", n * dtype.itemsize).view(dtype) for n in (qn, kvn, kvn, qn)]
+                         for _ in range(self.SETS)]
             self.down, self.up = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
 
-    def to_host(self, *ts: torch.Tensor) -> list[torch.Tensor]:
+    def take(self) -> tuple[int, list[Event]]:
+        """The buffer set for the next call, and what must finish before it is refilled."""
+        s = self.next
+        self.next = (s + 1) % self.SETS
+        return s, self.free[s]
+
+    def to_host(self, s: int, *ts: torch.Tensor) -> list[torch.Tensor]:
         if not self.cuda:
             return list(ts)
         out = []
         with torch.cuda.stream(self.down):
-            for t, buf in zip(ts, self.bufs):
+            for t, buf in zip(ts, self.bufs[s]):
                 h = buf[:t.numel()].view(t.shape)
                 h.copy_(t, non_blocking=True)
                 out.append(h)
             self.down.synchronize()
         return out
 
-    def to_device(self, o: torch.Tensor) -> torch.Tensor:
+    def to_device(self, s: int, o: torch.Tensor) -> torch.Tensor:
         if not self.cuda:
             return o
-        h = self.bufs[3][:o.numel()].view(o.shape)
+        h = self.bufs[s][3][:o.numel()].view(o.shape)
         h.copy_(o)
         with torch.cuda.stream(self.up):
             d = h.to(self.device, non_blocking=True)
@@ -211,8 +224,8 @@ class Engine:
         self._sampler: Sampler | None = None
         self._cpu_threads = cpu_attention_threads() if self.lanes.cuda and policy.cpu_cache_compute else 0
         self.cpu_attention_bytes = 0
-        self.timing = {"wait_cpu_attention_s": 0.0, "cpu_attention_compute_s": 0.0, "cpu_attention_copies_s": 0.0,
-                       "cpu_attention_down_s": 0.0, "cpu_attention_calls": 0}
+        self.timing = {"wait_cpu_attention_s": 0.0, "cpu_attention_compute_s": 0.0, "cpu_attention_down_s": 0.0,
+                       "cpu_attention_up_s": 0.0, "cpu_attention_calls": 0}
 
     # ---- setup ---------------------------------------------------------
     def load_weights(self, layers: Iterable[tuple[int, Mapping[str, torch.Tensor]]]) -> None:
@@ -423,13 +436,19 @@ class Engine:
         mask = st.valid_host[r0:r1, None, :t + 1]
         cap = kv.split["cpu"]
         threads = self._cpu_threads
+        lanes, buf, free = self.lanes, *io.take()
 
-        def task() -> torch.Tensor:
+        def down() -> list[torch.Tensor]:
+            t0 = time.perf_counter()
+            out = io.to_host(buf, q, k, v)
+            timing["cpu_attention_down_s"] += time.perf_counter() - t0
+            return out
+
+        def attention() -> torch.Tensor:
             if threads and torch.get_num_threads() != threads:  # per thread: set on the lane's own
                 torch.set_num_threads(threads)
             t0 = time.perf_counter()
-            qh, kh, vh = io.to_host(q, k, v)
-            t1 = time.perf_counter()
+            qh, kh, vh = got.result()
             if kv.head_major:  # the prompt area, then the generated tokens so far
                 g = t - st.S
                 Kg, Vg = codec.generated(seg.buf, rows, cap)
@@ -440,19 +459,24 @@ class Engine:
             else:
                 codec.write(seg.buf, rows, t, kh, vh)
                 o = attend(qh, *codec.read(seg.buf, rows, t + 1), mask, scale)
-            t2 = time.perf_counter()
-            out = io.to_device(o)
-            timing["cpu_attention_copies_s"] += (t1 - t0) + (time.perf_counter() - t2)
-            timing["cpu_attention_down_s"] += t1 - t0
-            timing["cpu_attention_compute_s"] += t2 - t1
+            timing["cpu_attention_compute_s"] += time.perf_counter() - t0
             timing["cpu_attention_calls"] += 1
+            return o
+
+        def up() -> torch.Tensor:
+            t0 = time.perf_counter()
+            out = io.to_device(buf, done.result())
+            timing["cpu_attention_up_s"] += time.perf_counter() - t0
             return out
 
+        # three lanes, so a call's copies overlap the attention of the call before it
         self.cpu_attention_bytes += rows * (t + 1) * self.kv.codec.rec_bytes
-        ev = self.lanes.cpu.run(task, [self.lanes.compute.mark()] + seg.track.claim())
-        seg.track.wrote(ev)
+        got = lanes.cpu_down.run(down, [lanes.compute.mark()] + free)
+        done = lanes.cpu.run(attention, [got] + seg.track.claim())
+        io.free[buf] = [done]  # its q, k, v buffers are read by then
+        seg.track.wrote(done)
         seg.track.tag = t + 1
-        return ev
+        return lanes.cpu_up.run(up, [done])
 
     def _prompt_logprobs(self, w: Mapping[str, Any], h: torch.Tensor, st: _Batch) -> torch.Tensor:
         """Log-probability of each prompt token given the ones before it: (n, S-1)."""

@@ -142,8 +142,9 @@ class ComputeLane:
 
 
 class Lanes:
-    """All lanes of one engine: compute, load (toward compute), store (away from it),
-    disk read, disk write, and CPU attention."""
+    """All lanes of one engine: compute, load (toward compute), store (away from it), disk read,
+    disk write, CPU attention with a lane each for its inputs and its output, and (CUDA) the
+    feed that paces large copies onto the load stream."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -154,6 +155,8 @@ class Lanes:
         self.disk_read = ThreadLane("disk-read")
         self.disk_write = ThreadLane("disk-write")
         self.cpu = ThreadLane("cpu-attention")
+        self.cpu_down = ThreadLane("cpu-attention-in")  # q, k, v to the host for CPU attention
+        self.cpu_up = ThreadLane("cpu-attention-out")  # its output back
         # paces large host-to-device copies onto the load stream (see Mover); CUDA only
         self.feed: ThreadLane | None = ThreadLane("feed") if self.cuda else None
 
@@ -167,7 +170,8 @@ class Lanes:
         return out
 
     def _all(self) -> list:
-        return [self.load, self.store, self.disk_read, self.disk_write, self.cpu] + ([self.feed] if self.feed else [])
+        return [self.load, self.store, self.disk_read, self.disk_write, self.cpu_down, self.cpu, self.cpu_up] \
+            + ([self.feed] if self.feed else [])
 
     def sync(self) -> None:
         """Wait for everything issued so far (used at block edges and with overlap off)."""

@@ -59,7 +59,8 @@ def plan_memory(spec: ModelSpec, layouts: list[Layout], kv_rec_bytes: int, polic
     plan.add("activations", act_bytes(spec, elem, policy, max_prompt))
     pinned = 4 * CHUNK if (cuda and plan.total("disk") > 0) else 0  # disk bounce buffers
     if policy.cpu_cache_compute and cuda:
-        pinned += 3 * policy.gpu_batch_size * spec.num_heads * spec.head_dim * elem
+        # CPU attention's two sets of q, k, v and output buffers (offload.engine._HostIO)
+        pinned += 2 * 2 * (spec.num_heads + spec.num_kv_heads) * spec.head_dim * policy.gpu_batch_size * elem
     plan.add("buffers", {"cpu": pinned})
     device = "cuda" if cuda else "cpu"
     working = spec.working_bytes(policy.gpu_batch_size, max_prompt, elem, device) + (GPU_RESERVE if cuda else 0)
