@@ -8,6 +8,8 @@
 #   PHASE=C bash benchmarks/device_measure.sh OUT   # eval run on OPT-30B (about 4 minutes)
 #   PHASE=D bash benchmarks/device_measure.sh OUT   # the full system and the Accelerate baseline in
 #                                                   # one run (for its ratio; about 6 minutes)
+#   PHASE=E bash benchmarks/device_measure.sh OUT   # GPU tests; CPU-attention shapes; timelines of a
+#                                                   # CPU-attention and the compressed policy
 # Predictions use benchmarks/data/h200-measured.json (flexoff profile on the device, with CPU attention
 # measured at OPT-30B's decode shape, 12 threads, while host-to-device copies run, by
 # `benchmarks/cpu_attention.py --rows 32 --tokens 528 --contention 4,8,12,16`).
@@ -58,5 +60,16 @@ case "${PHASE:-A}" in
   C) evaluation 400 ;;
   D) timeout 560 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW --policy auto+c \
        --baseline 8 --out "$OUT" 2>&1 | grep -v "^\s*$" | grep -v "^---" ;;
+  E) echo "=== gpu tests ($(date +%T))"
+     python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
+     echo "=== opt-30b, weights and cache on CPU ($(date +%T))"
+     timeout 200 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW "${CPU[@]}" \
+       --out "$OUT" 2>&1 | grep -v "^\s*$" | grep -v "^---" | tail -4
+     for p in "24x2:0,100,0,100,100,0:a" "16x24:0,100,12.5,87.5,0,100:wk"; do
+       echo "=== timeline $p ($(date +%T))"
+       timeout 150 python3 benchmarks/timeline.py --model dummy:opt-30b --prompt-len 512 --gen-len 4 \
+         --gpu-mem 16GiB --cpu-mem 100GiB --policy "$p" --out "$OUT" 2>&1 | grep -v "^\s*$" | tail -16
+       rm -f "$OUT/trace.json.gz"
+     done ;;
 esac
 echo "=== done ($(date +%T))"

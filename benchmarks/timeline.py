@@ -1,0 +1,132 @@
+"""Where decode time goes: a run under torch.profiler, summarized per CUDA stream and CPU thread.
+
+    python benchmarks/timeline.py --model dummy:opt-30b --prompt-len 512 --gen-len 4 --gpu-mem 16GiB \\
+        --cpu-mem 100GiB --policy "24x2:0,100,0,100,100,0:a" [--hardware FILE] [--out benchmarks/out]
+
+The policy runs once to set up (weights placed, buffers pinned), then once more under the profiler.
+Over the decode window (from the end of the prefill's token step to the last event) it reports how
+busy each direction of the host-device link, each GPU stream and each CPU thread was, and the
+longest gaps in host-to-device copies. Writes OUT/trace-summary.json and, when small enough,
+OUT/trace.json.gz (open it in chrome://tracing or Perfetto).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common import environment, table, write_jsonl
+from throughput import Bench, parse_policy
+
+MAX_TRACE = 15 << 20  # bytes of compressed trace worth keeping
+
+
+def union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Merged, sorted intervals."""
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def clip(spans: list[tuple[float, float]], lo: float, hi: float) -> list[tuple[float, float]]:
+    return [(max(a, lo), min(b, hi)) for a, b in spans if b > lo and a < hi]
+
+
+def busy(spans: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in union(spans))
+
+
+def summarize(trace: dict[str, Any]) -> dict[str, Any]:
+    """Busy fractions per link direction, GPU stream and CPU thread over the decode window, and
+    the longest host-to-device idle gaps (microseconds, from the window's start)."""
+    events = trace.get("traceEvents", [])
+    names = {e["tid"]: e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "thread_name" and "args" in e}
+    spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    marks = sorted(e["ts"] + e["dur"] for e in spans if str(e.get("name", "")).startswith("flexoff: token step 0"))
+    if not spans:
+        return {"error": "no events recorded"}
+    lo = marks[0] if marks else min(e["ts"] for e in spans)
+    hi = max(e["ts"] + e["dur"] for e in spans)
+    width = max(hi - lo, 1e-9)
+    groups: dict[str, list[tuple[float, float]]] = {}
+    for e in spans:
+        cat, name = e.get("cat", ""), str(e.get("name", ""))
+        if cat == "gpu_memcpy":
+            key = "link " + ("host to device" if "HtoD" in name else "device to host" if "DtoH" in name else "on device")
+        elif cat == "kernel":
+            key = f"GPU stream {e.get('args', {}).get('stream', e.get('tid'))}"
+        elif cat == "cpu_op":
+            key = f"CPU thread {names.get(e.get('tid'), e.get('tid'))}"
+        else:
+            continue
+        groups.setdefault(key, []).append((e["ts"], e["ts"] + e["dur"]))
+    rows = [{"what": k, "busy": busy(clip(v, lo, hi)) / width, "events": len(clip(v, lo, hi))}
+            for k, v in sorted(groups.items())]
+    h2d = union(clip(groups.get("link host to device", []), lo, hi))
+    gaps = sorted(((b[0] - a[1], a[1] - lo) for a, b in zip(h2d, h2d[1:])), reverse=True)[:10]
+    return {"window_us": width, "rows": rows,
+            "h2d_gaps_us": [{"gap": g, "at": at} for g, at in gaps]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="dummy:opt-30b")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--gen-len", type=int, default=4)
+    ap.add_argument("--policy", required=True)
+    ap.add_argument("--gpu-mem", default=None)
+    ap.add_argument("--cpu-mem", default=None)
+    ap.add_argument("--hardware", default=None)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/out"))
+    args = ap.parse_args()
+    from torch.profiler import ProfilerActivity, profile
+
+    from flexoff.cli import parse_size
+
+    bench = Bench(args.model, parse_size(args.gpu_mem), parse_size(args.cpu_mem), None, args.hardware, "auto",
+                  "auto", None)
+    try:
+        policy = bench.resolve(parse_policy(args.policy), args.prompt_len, args.gen_len, None)
+        spec = bench.llm.model.spec
+        g = torch.Generator().manual_seed(0)
+        prompts = [{"prompt_ids": torch.randint(3, spec.vocab_size, (args.prompt_len,), generator=g).tolist()}
+                   for _ in range(policy.block_size)]
+        bench.llm.policy_arg = policy
+        bench.llm.generate(prompts, max_new_tokens=args.gen_len)  # set-up run
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        with profile(activities=acts) as prof:
+            bench.llm.generate(prompts, max_new_tokens=args.gen_len)
+    finally:
+        bench.close()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        raw = path.read_bytes()
+    summary = summarize(json.loads(raw))
+    args.out.mkdir(parents=True, exist_ok=True)
+    packed = gzip.compress(raw)
+    if len(packed) <= MAX_TRACE:
+        (args.out / "trace.json.gz").write_bytes(packed)
+    record = {**environment(), "policy": policy.describe(), "prompt_len": args.prompt_len, "gen_len": args.gen_len,
+              **summary}
+    write_jsonl(args.out / "trace-summary.jsonl", [record])
+    print(f"{policy.describe()}: decode window {summary.get('window_us', 0) / 1e3:.1f} ms")
+    print(table(summary.get("rows", []), ["what", "busy", "events"]))
+    print(table(summary.get("h2d_gaps_us", []), ["gap", "at"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""The timeline summary of benchmarks/timeline.py on a hand-made trace."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from timeline import summarize  # noqa: E402
+
+
+def test_summary_counts_busy_time_and_gaps_in_the_decode_window():
+    def x(cat, name, ts, dur, tid=1, **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": args}
+
+    trace = {"traceEvents": [
+        {"ph": "M", "name": "thread_name", "tid": 1, "args": {"name": "main"}},
+        x("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 0, 50),  # prefill: outside the window
+        x("cpu_op", "flexoff: token step 0 issued", 90, 10),  # the window opens at 100
+        x("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 100, 30),
+        x("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 120, 30),  # overlaps: 100..150
+        x("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 170, 10),  # gap 20
+        x("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 240, 60),  # gap 60; window ends at 300
+        x("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 150, 20),
+        x("kernel", "gemm", 110, 40, tid=7, stream=7),
+    ]}
+    s = summarize(trace)
+    rows = {r["what"]: r for r in s["rows"]}
+    assert s["window_us"] == pytest.approx(200)
+    assert rows["link host to device"]["busy"] == pytest.approx((50 + 10 + 60) / 200)
+    assert rows["link device to host"]["busy"] == pytest.approx(20 / 200)
+    assert rows["GPU stream 7"]["busy"] == pytest.approx(40 / 200)
+    assert [g["gap"] for g in s["h2d_gaps_us"]] == [60, 20]
+    assert s["h2d_gaps_us"][0]["at"] == pytest.approx(80)
