@@ -178,26 +178,28 @@ def link_use(traffic: dict[str, Any], seconds: float) -> dict[str, Any]:
     return {"decode_link_busy": busy / seconds, "decode_link_GBps": traffic.get("h2d", 0) / busy / 1e9}
 
 
-def naive_policy(bench: Bench, prompt_len: int, gen_len: int) -> Any:
+def naive_policies(bench: Bench, prompt_len: int, gen_len: int) -> list[Any]:
     """What a user does without the search: weights in CPU memory, KV cache and activations on the
-    GPU, one GPU batch as large as the budget allows (DeepSpeed's and FlexGen's "no policy search")."""
+    GPU, one GPU batch as large as the budget allows (DeepSpeed's and FlexGen's "no policy search");
+    the three largest batches the engine's plan accepts, largest first, to step down from if the
+    GPU runs out of memory anyway."""
     from flexoff.autopolicy import engine_plan
     from flexoff.errors import MemoryBudgetError
     from flexoff.offload.memory import check
     from flexoff.policy.policy import Policy
 
-    best = None
+    fits = []
     for gbs in (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128):
         p = Policy(gbs, 1, 0, 100, 100, 0, 100, 0)
         try:
             check(engine_plan(bench.llm, p, prompt_len, gen_len), bench.llm.options.budgets, bench.llm.device,
                   bench.llm.options.offload_dir)
-            best = p
+            fits.append(p)
         except MemoryBudgetError:
             break
-    if best is None:
+    if not fits:
         raise SystemExit("the naive policy does not fit even one sequence")
-    return best
+    return fits[::-1][:3]
 
 
 def ablations(bench: Bench, s: int, n: int) -> list[dict[str, Any]]:
@@ -214,8 +216,15 @@ def ablations(bench: Bench, s: int, n: int) -> list[dict[str, Any]]:
     if full is None:
         return []
     fp = full["policy_obj"]
+    def naive() -> dict[str, Any] | None:
+        for p in naive_policies(bench, s, n):  # step down a batch size after running out of memory
+            r = bench.run("no policy search", p, s, n, kind="ablation")
+            if r is not None or time.time() > bench.deadline:
+                return r
+        return None
+
     out = [full] + [r for r in (
-        attempt("no policy search", lambda: naive_policy(bench, s, n)),
+        naive(),
         attempt("no overlap", lambda: fp.replace(overlap=False)),
         attempt("no CPU attention", lambda: bench.resolve("auto+c", s, n, None, cpu_attention="off")),
         attempt("no compression", lambda: bench.resolve("auto", s, n, None)),
