@@ -41,7 +41,7 @@ def auto_policy(llm: Any, prompt_len: int, gen_len: int, num_prompts: int | None
     hw = load(llm.hardware, llm.options.offload_dir, log=lambda s: click.echo(s, err=True))
     b = llm.options.budgets
     budget = Budget.of(hw, b.gpu, b.cpu, b.disk)
-    budget = Budget(budget.gpu - getattr(llm, "gpu_margin", 0), budget.cpu, budget.disk)
+    budget = Budget(budget.gpu - llm.gpu_margin, budget.cpu, budget.disk)
     work = Workload(prompt_len, gen_len, llm.dtype.itemsize, num_prompts)
     error: MemoryBudgetError | None = None
     for _ in range(4):

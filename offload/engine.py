@@ -103,7 +103,7 @@ class _HostIO:
     SETS = 2
 
     def __init__(self, lanes: Lanes, mem: Ledger, rows: int, spec: ModelSpec, dtype: torch.dtype):
-        self.lanes, self.cuda, self.device, self.dtype = lanes, lanes.cuda, mem.device, dtype
+        self.cuda, self.device, self.dtype = lanes.cuda, mem.device, dtype
         self.free: list[list[Event]] = [[] for _ in range(self.SETS)]  # when each set may be refilled
         self.next = 0
         if self.cuda:
