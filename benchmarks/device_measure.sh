@@ -61,7 +61,7 @@ case "${PHASE:-A}" in
   D) timeout 560 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW --policy auto+c \
        --baseline 8 --out "$OUT" 2>&1 | grep -v "^\s*$" | grep -v "^---" ;;
   E) echo "=== gpu tests ($(date +%T))"
-     python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
+     timeout 180 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
      echo "=== opt-30b, weights and cache on CPU ($(date +%T))"
      timeout 200 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW "${CPU[@]}" \
        --out "$OUT" 2>&1 | grep -v "^\s*$" | grep -v "^---" | tail -4
