@@ -57,7 +57,14 @@ case "${PHASE:-A}" in
   B) timeout 360 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW --ablations \
        --frontier 8x1 --time-budget 270 --out "$OUT" >"$OUT/b.log" 2>&1
      echo "exit $?"; free -g | head -2; grep -v "^\s*$" "$OUT/b.log" | grep -v "^---" ;;
-  C) evaluation 400 ;;
+  C) evaluation 400
+     # where a compressed block's decode time goes, on OPT-30B cut to 4 layers (same per-layer work)
+     mkdir -p /tmp/cut && python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; \
+       from memcheck import cut_model; print(cut_model('dummy:opt-30b', 4, Path('/tmp/cut')))" >/tmp/cut/name
+     echo "=== timeline 16x24 4-bit, 4 layers ($(date +%T))"
+     timeout 120 python3 benchmarks/timeline.py --model "$(cat /tmp/cut/name)" --prompt-len 512 --gen-len 4 \
+       --gpu-mem 16GiB --cpu-mem 100GiB --policy "16x24:0,100,12.5,87.5,0,100:wk" --out "$OUT" 2>&1 | grep -v "^\s*$" | tail -16
+     rm -f "$OUT/trace.json.gz" ;;
   D) timeout 560 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW --policy auto+c \
        --baseline 8 --out "$OUT" 2>&1 | grep -v "^\s*$" | grep -v "^---" ;;
   E) echo "=== gpu tests ($(date +%T))"
