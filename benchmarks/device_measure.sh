@@ -6,8 +6,9 @@
 #                                                   # cache on CPU at three shapes, auto, ablations
 #   PHASE=B bash benchmarks/device_measure.sh OUT   # ablations, and the frontier from their runs and 8x1
 #   PHASE=C bash benchmarks/device_measure.sh OUT   # eval run on OPT-30B (about 4 minutes)
-#   PHASE=D bash benchmarks/device_measure.sh OUT   # the full system and the Accelerate baseline in
-#                                                   # one run (for its ratio; about 6 minutes)
+#   PHASE=D bash benchmarks/device_measure.sh OUT   # the full system, auto without compression, the
+#                                                   # best hand policy and the Accelerate baseline in
+#                                                   # one run (for their ratios; about 9 minutes)
 #   PHASE=E bash benchmarks/device_measure.sh OUT   # GPU tests; CPU-attention shapes; timelines of a
 #                                                   # CPU-attention and the compressed policy
 # Predictions use benchmarks/data/h200-measured.json (flexoff profile on the device, with CPU attention
@@ -65,8 +66,9 @@ case "${PHASE:-A}" in
      timeout 120 python3 benchmarks/timeline.py --model "$(cat /tmp/cut/name)" --prompt-len 512 --gen-len 4 \
        --gpu-mem 16GiB --cpu-mem 100GiB --policy "16x24:0,100,12.5,87.5,0,100:wk" --out "$OUT" 2>&1 | grep -v "^\s*$" | tail -16
      rm -f "$OUT/trace.json.gz" ;;
-  D) timeout 560 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW --policy auto+c \
-       --baseline 8 --out "$OUT" 2>&1 | grep -v "^\s*$" | grep -v "^---" ;;
+  D) timeout 585 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW --policy auto+c \
+       --policy auto --policy "24x2:0,100,0,100,100,0:a" --time-budget 300 --baseline 8 --out "$OUT" 2>&1 \
+       | grep -v "^\s*$" | grep -v "^---" ;;
   E) echo "=== gpu tests ($(date +%T))"
      timeout 180 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
      echo "=== opt-30b, weights and cache on CPU ($(date +%T))"

@@ -269,10 +269,11 @@ class Engine:
     def run_block(self, batches: list[BatchInput], gen_len: int, sampler: Sampler, on_tokens: OnTokens,
                   prompt_logprobs: bool = False) -> BlockResult:
         """Generate up to gen_len tokens for every sequence of a block of GPU batches."""
-        if not (self.lanes.cuda and self.policy.cpu_cache_compute):
+        if not self.lanes.cuda:
             return self._run(batches, gen_len, sampler, on_tokens, prompt_logprobs)
-        # CPU attention's thread and the scheduling thread hand the GIL back and forth every
-        # layer: a short switch interval keeps either from waiting the default 5 ms for it
+        # the scheduling thread hands the GIL to the feed thread (paced weight copies, a chunk
+        # every 0.6 ms) and CPU attention's lanes many times a layer: a short switch interval
+        # keeps them from waiting the default 5 ms for it (link gaps of 4-8 ms were measured)
         interval, threads = sys.getswitchinterval(), torch.get_num_threads()
         sys.setswitchinterval(min(interval, SWITCH_INTERVAL))
         try:
