@@ -9,6 +9,8 @@
 #   PHASE=D bash benchmarks/device_measure.sh OUT   # the full system, auto without compression, the
 #                                                   # best hand policy and the Accelerate baseline in
 #                                                   # one run (for their ratios; about 9 minutes)
+#   PHASE=F bash benchmarks/device_measure.sh OUT   # auto and two hand policies without compression,
+#                                                   # then the Accelerate baseline, in one run
 #   PHASE=E bash benchmarks/device_measure.sh OUT   # GPU tests; CPU-attention shapes; timelines of a
 #                                                   # CPU-attention and the compressed policy
 # Predictions use benchmarks/data/h200-measured.json (flexoff profile on the device, with CPU attention
@@ -69,6 +71,9 @@ case "${PHASE:-A}" in
   D) timeout 585 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW --policy auto+c \
        --policy auto --policy "24x2:0,100,0,100,100,0:a" --time-budget 300 --baseline 8 --out "$OUT" 2>&1 \
        | grep -v "^\s*$" | grep -v "^---" ;;
+  F) timeout 585 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW --policy auto \
+       --policy "24x3:0,100,0,100,100,0:a" --policy "8x1:22.7,77.3,0,100,100,0:a" --time-budget 230 --baseline 8 \
+       --out "$OUT" 2>&1 | grep -v "^\s*$" | grep -v "^---" ;;
   E) echo "=== gpu tests ($(date +%T))"
      timeout 180 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
      echo "=== opt-30b, weights and cache on CPU ($(date +%T))"
