@@ -69,7 +69,8 @@ def evaluate(llm: Any, run: RunSpec, output_path: str, suite: str, max_eval_inst
 
     def on_block(comps: list, st: Any) -> None:
         completions.write([{**c.to_json(), "token_ids": c.token_ids} for c in comps])
-        efficiency.write([{"instances": len(comps), **{k: getattr(st, k) for k in (
+        policy = llm.last_policy.describe() if getattr(llm, "last_policy", None) is not None else None
+        efficiency.write([{"instances": len(comps), "policy": policy, **{k: getattr(st, k) for k in (
             "prompt_tokens", "generated_tokens", "padded_prompt_tokens", "padded_generated_tokens",
             "prefill_s", "decode_s")}}])
         if on_progress:

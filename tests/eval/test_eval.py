@@ -194,6 +194,8 @@ def test_end_to_end_on_smollm2_writes_helm_files_whose_stats_recompute(smol, tmp
     assert stats["num_output_tokens"]["sum"] == sum(ntok)
     assert stats["actual_throughput"]["mean"] <= stats["padded_throughput"]["mean"]
     assert json.loads((res.folder / "run_spec.json").read_text())["adapter_spec"]["max_tokens"] == 20
+    blocks = [json.loads(line) for line in (res.folder / "efficiency.jsonl").read_text().splitlines()]
+    assert sum(b["instances"] for b in blocks) == 5 and all(b["policy"] == smol.last_policy.describe() for b in blocks)
 
 
 def test_language_modeling_perplexity_equals_transformers(tiny, tmp_path):
