@@ -130,20 +130,11 @@ class _HostIO:
             self.down.synchronize()
         return out
 
-    def stage_out(self, s: int, o: torch.Tensor) -> torch.Tensor:
-        """The attention output in set s's pinned buffer. Called on the attention lane, whose
-        thread team is already running: the same copy on the output lane started a full-width
-        OpenMP team of its own next to attention's (measured 3.5-7 ms per call there)."""
+    def to_device(self, s: int, o: torch.Tensor) -> torch.Tensor:
         if not self.cuda:
             return o
         h = self.bufs[s][3][:o.numel()].view(o.shape)
         h.copy_(o)
-        return h
-
-    def to_device(self, h: torch.Tensor) -> torch.Tensor:
-        """A pinned output on the device (a DMA copy only, no host work)."""
-        if not self.cuda:
-            return h
         with torch.cuda.stream(self.up):
             d = h.to(self.device, non_blocking=True)
             self.up.synchronize()
@@ -471,14 +462,13 @@ class Engine:
             else:
                 codec.write(seg.buf, rows, t, kh, vh)
                 o = attend(qh, *codec.read(seg.buf, rows, t + 1), mask, scale)
-            o = io.stage_out(buf, o)
             timing["cpu_attention_compute_s"] += time.perf_counter() - t0
             timing["cpu_attention_calls"] += 1
             return o
 
         def up() -> torch.Tensor:
             t0 = time.perf_counter()
-            out = io.to_device(done.result())
+            out = io.to_device(buf, done.result())
             timing["cpu_attention_up_s"] += time.perf_counter() - t0
             return out
 
@@ -486,11 +476,10 @@ class Engine:
         self.cpu_attention_bytes += rows * (t + 1) * self.kv.codec.rec_bytes
         got = lanes.cpu_down.run(down, [lanes.compute.mark()] + free)
         done = lanes.cpu.run(attention, [got] + seg.track.claim())
+        io.free[buf] = [done]  # its q, k, v buffers are read by then
         seg.track.wrote(done)
         seg.track.tag = t + 1
-        sent = lanes.cpu_up.run(up, [done])
-        io.free[buf] = [done, sent]  # its q, k, v buffers are read, its output buffer sent
-        return sent
+        return lanes.cpu_up.run(up, [done])
 
     def _prompt_logprobs(self, w: Mapping[str, Any], h: torch.Tensor, st: _Batch) -> torch.Tensor:
         """Log-probability of each prompt token given the ones before it: (n, S-1)."""
