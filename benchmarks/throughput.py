@@ -90,6 +90,8 @@ class Bench:
             except torch.OutOfMemoryError:
                 if policy not in self.searched:
                     raise
+                rec = None  # searched again below, once this handler's frames (and buffers) are gone
+            if rec is None:
                 rec = self._search_again(label, policy, prompt_len, gen_len, num_prompts, kind)
         except Exception as e:  # e.g. a hand-written policy over the budget: recorded, not fatal
             print(f"{label}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)

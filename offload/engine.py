@@ -255,6 +255,10 @@ class Engine:
             self.weights.release()
         if getattr(self, "_own_tiers", False) and hasattr(self, "tiers"):
             self.tiers.close()
+        # drop the views of what was given back: a closed engine that is still referenced (by a
+        # traceback's frames while the caller retries with a smaller policy, say) holds no memory
+        for name in ("kv", "hidden", "host_io", "weights", "mover"):
+            self.__dict__.pop(name, None)
 
     def peaks(self) -> dict[str, int]:
         """Peak bytes per tier: GPU from the allocator, CPU and disk from the engine's

@@ -174,3 +174,26 @@ def test_pinned_pool_reuses_and_trims(monkeypatch):
     mem.free(e, 4500)
     mem.close()
     assert len(unpinned) == 3 and mem.pooled == 0
+
+
+def test_a_closed_engine_still_referenced_holds_no_buffers():
+    """A caller that keeps a closed engine (a traceback's frames while it retries, say) must not
+    keep its memory: every buffer the engine allocated is collectable once it is closed."""
+    import gc
+    import weakref
+
+    with LLM("dummy:llama-tiny") as llm:
+        p = Policy(gpu_batch_size=2, num_gpu_batches=2, w_gpu_percent=20, w_cpu_percent=50,
+                   cache_gpu_percent=0, cache_cpu_percent=50, act_gpu_percent=50, act_cpu_percent=0)
+        e = _engine(llm, p)
+        m = llm.model
+        e.load_weights((j, m.source.layer(j, l, torch.float32, e.device)) for j, l in enumerate(m.spec.layers))
+        bufs = [seg.buf for layer in e.kv.homes for batch in layer for seg in batch.values()]
+        bufs += [b for home in e.weights.homes for b in home.values() if isinstance(b, torch.Tensor)]
+        refs = [weakref.ref(b) for b in bufs]
+        del bufs
+        assert all(r() is not None for r in refs)
+        e.close()
+        gc.collect()
+        alive = sum(r() is not None for r in refs)
+        assert e is not None and alive == 0, f"{alive} of {len(refs)} buffers outlive close()"
