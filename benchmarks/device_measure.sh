@@ -11,6 +11,9 @@
 #                                                   # one run (for their ratios; about 9 minutes)
 #   PHASE=F bash benchmarks/device_measure.sh OUT   # auto and two hand policies without compression,
 #                                                   # then the Accelerate baseline, in one run
+#   PHASE=G bash benchmarks/device_measure.sh OUT   # GPU tests; the host's time per engine step; the
+#                                                   # 3-4 GPU batch CPU-attention shapes and auto+c
+#                                                   # predicted with it
 #   PHASE=E bash benchmarks/device_measure.sh OUT   # GPU tests; CPU-attention shapes; timelines of a
 #                                                   # CPU-attention and the compressed policy
 # Predictions use benchmarks/data/h200-measured.json (flexoff profile on the device, with CPU attention
@@ -73,6 +76,16 @@ case "${PHASE:-A}" in
        | grep -v "^\s*$" | grep -v "^---" ;;
   F) timeout 585 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW --policy auto \
        --policy "24x3:0,100,0,100,100,0:a" --policy "8x1:22.7,77.3,0,100,100,0:a" --time-budget 230 --baseline 8 \
+       --out "$OUT" 2>&1 | grep -v "^\s*$" | grep -v "^---" ;;
+  G) echo "=== gpu tests ($(date +%T))"
+     timeout 180 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
+     echo "=== host time per engine step ($(date +%T))"  # h200-measured.json plus this machine's host_step_s
+     python3 -c "import json, sys, torch; from flexoff.policy.hardware import host_step; \
+       d = json.load(open('$HW')); d['host_step_s'] = host_step(torch.device('cuda')); \
+       json.dump(d, open('$OUT/hw-host-step.json', 'w'), indent=2); print('host_step_s', d['host_step_s'])"
+     echo "=== opt-30b ($(date +%T))"
+     timeout 400 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware "$OUT/hw-host-step.json" \
+       --policy "16x3:0,100,0,100,100,0:a" --policy "8x4:0,100,0,100,100,0:a" --policy auto+c --time-budget 230 \
        --out "$OUT" 2>&1 | grep -v "^\s*$" | grep -v "^---" ;;
   E) echo "=== gpu tests ($(date +%T))"
      timeout 180 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"

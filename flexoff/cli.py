@@ -203,6 +203,8 @@ def hardware_table(hw: Any) -> str:
             rows.append(f"{k:18} {v / 2**30:10.1f} GiB")
         elif "flops" in k:
             rows.append(f"{k:18} {v / 1e12:10.3f} TFLOP/s")
+        elif k.endswith("_s"):
+            rows.append(f"{k:18} {v * 1e3:10.3f} ms")
         else:
             rows.append(f"{k:18} {v / 1e9:10.2f} GB/s")
     return "\n".join(rows)

@@ -23,6 +23,7 @@ Names follow the FlexGen paper:
 | mm_flops, bmm_flops | GPU matmul and batched-matmul FLOP/s (p: prefill shapes, g: decode) |
 | cpu_flops, cpu_attn_bdw | CPU attention FLOP/s, and the KV bytes/s it reads |
 | ctog, gtoc, dtoc, ctod, comp | a layer's seconds of each transfer, and of compute |
+| host, host_step_s | a layer's seconds of host work: one engine step per GPU batch (not in FlexGen) |
 | T_pre, T_gen | a layer's prefill time, and its average decode time per token |
 | T | block latency: sum over layers of T_pre + (n - 1) T_gen |
 """
@@ -146,6 +147,7 @@ class CostModel:
                         cpu = x["cc"] * bls * ctx * self.kv / hw.cpu_attn_bdw
                         if ch.compress_cache:
                             cpu += x["cc"] * bls * ctx * self.kv_dense / hw.cpu_dequant_bdw
+                t["host"] = ch.num_gpu_batches * hw.host_step_s  # the schedule's own work per step
                 if ch.num_gpu_batches > 1:  # CPU attention of one batch overlaps the next's GPU work
                     t["comp"], t["cpu_comp"] = gpu, cpu
                 else:

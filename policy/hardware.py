@@ -2,7 +2,7 @@
 
 Knows: the fields of a profile (memory sizes, link and disk bandwidths, GPU
 matmul and batched-matmul throughput at prefill and decode shapes, CPU
-attention and dequantization rates), two presets (`flexgen-t4`, the constants
+attention and dequantization rates, the host's time per engine step), two presets (`flexgen-t4`, the constants
 FlexGen fitted for its T4 machine, and `h200`, from the device's measured
 constants), measuring one on this machine in under a minute, and caching it
 as JSON in the user cache folder, keyed by machine.
@@ -18,7 +18,7 @@ import platform
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Callable
 
@@ -52,6 +52,7 @@ class Hardware:
     cpu_mem_bdw: float  # bytes/s of a host memcpy, read plus write (for bounds)
     dequant_bdw: float  # bytes/s of dense output of 4-bit dequantization on the device
     cpu_dequant_bdw: float  # ... on the CPU (CPU attention over a compressed cache)
+    host_step_s: float = 0.0  # seconds of host work per engine step (one layer of one GPU batch)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -59,10 +60,11 @@ class Hardware:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Hardware":
         known = {f.name for f in fields(cls)}
-        missing = sorted(known - set(d))
+        optional = {f.name for f in fields(cls) if f.default is not MISSING}
+        missing = sorted(known - optional - set(d))
         if missing:
             raise FlexoffError(f"hardware profile lacks {', '.join(missing)}; run `flexoff profile` again")
-        return cls(**{k: d[k] for k in known})
+        return cls(**{k: d[k] for k in known if k in d})
 
 
 def flexgen_t4() -> Hardware:
@@ -191,7 +193,26 @@ def measure(offload_dir: str | None = None, size: int = 512 << 20, quick: bool =
                     ctog_bdw=ctog, gtoc_bdw_cache=gtoc, gtoc_bdw_hidden=gtoc, dtoc_bdw=dread,
                     ctod_bdw_cache=dwrite, ctod_bdw_hidden=dwrite, mm_flops_p=mm_p, mm_flops_g=mm_g,
                     bmm_flops_p=bmm_p, bmm_flops_g=bmm_g, cpu_flops=cpu_flops, cpu_attn_bdw=cpu_attn,
-                    cpu_mem_bdw=cpu_mem, dequant_bdw=deq, cpu_dequant_bdw=cpu_deq)
+                    cpu_mem_bdw=cpu_mem, dequant_bdw=deq, cpu_dequant_bdw=cpu_deq,
+                    host_step_s=host_step(dev, offload_dir))
+
+
+def host_step(dev: torch.device, offload_dir: str | None = None, nb: int = 4, gen: int = 16) -> float:
+    """Seconds of host work per engine step (one layer of one GPU batch): the decode of a tiny
+    model, whose kernels take next to no time, with its KV cache compressed in CPU memory and
+    its activations there too (a step's most work: loads, stores, quantization), after a warm-up."""
+    from flexoff.api import LLM
+    from flexoff.policy.policy import Policy
+
+    p = Policy(gpu_batch_size=2, num_gpu_batches=nb, cache_gpu_percent=0, cache_cpu_percent=100,
+               act_gpu_percent=0, act_cpu_percent=100, compress_cache=True)
+    prompts = [{"prompt_ids": [5 + i, 6, 7, 8]} for i in range(2 * nb)]
+    with LLM("dummy:opt-tiny", policy=p, device=dev, offload_dir=offload_dir) as llm:
+        llm.model.tokenizer.eos_ids = ()  # every step runs
+        llm.generate(prompts, max_new_tokens=2)
+        st = llm.generate(prompts, max_new_tokens=gen).stats
+        steps = (gen - 1) * len(llm.model.spec.layers) * nb
+    return st.decode_s / steps
 
 
 def _disk(offload_dir: str | None, buf: torch.Tensor) -> tuple[float, float]:

@@ -161,3 +161,48 @@ def test_auto_policy_searches_again_after_the_gpu_runs_out(tiny, tiny_refs, tmp_
     with LLM(str(tiny["llama"].path), policy=Policy(gpu_batch_size=2), gpu_mem=gpu_mem) as llm:
         with pytest.raises(MemoryBudgetError, match="ran out of memory running 2x1"):
             llm.generate([{"prompt_ids": p} for p in PROMPTS], max_new_tokens=8)
+
+
+def test_host_work_per_step_is_priced_per_gpu_batch():
+    """The engine's host work per step (one layer of one GPU batch) is a term of every layer, so
+    at a fixed block size more, smaller GPU batches cost more once it dominates."""
+    from dataclasses import replace
+
+    s = spec("opt-30b")
+    hw = replace(h200(), host_step_s=1e-3)
+    x = {"wg": 0, "wc": 1, "wd": 0, "cg": 0.125, "cc": 0.875, "cd": 0, "hg": 0, "hc": 1, "hd": 0}
+    ch = dict(compress_weight=True, compress_cache=True)
+    few, many = (CostModel(s, hw, W512, Choice(g, n, **ch)) for g, n in ((48, 8), (16, 24)))
+    assert many.terms(x)[("g", "mlp")]["host"] == pytest.approx(24e-3)
+    assert few.terms(x)[("g", "mlp")]["host"] == pytest.approx(8e-3)
+    assert few.evaluate(x).latency < many.evaluate(x).latency
+    free = CostModel(s, replace(hw, host_step_s=0.0), W512, Choice(16, 24, **ch))
+    gap = many.evaluate(x).decode_s - free.evaluate(x).decode_s
+    mlp = many.evaluate(x).terms["g/mlp"]
+    assert gap > 0 and max(mlp, key=mlp.get) == "host"  # 24 ms of steps against 4 ms of weights
+
+
+def test_profiles_without_the_host_step_still_load(tmp_path):
+    import json
+    from dataclasses import asdict
+
+    from flexoff.errors import FlexoffError
+    from flexoff.policy.hardware import load
+
+    d = asdict(h200())
+    del d["host_step_s"]
+    (tmp_path / "old.json").write_text(json.dumps(d))
+    assert load(str(tmp_path / "old.json")).host_step_s == 0.0
+    del d["ctog_bdw"]
+    (tmp_path / "bad.json").write_text(json.dumps(d))
+    with pytest.raises(FlexoffError, match="lacks ctog_bdw"):
+        load(str(tmp_path / "bad.json"))
+
+
+def test_host_step_is_measured_from_the_engine():
+    import torch
+
+    from flexoff.policy.hardware import host_step
+
+    t = host_step(torch.device("cpu"))
+    assert 1e-6 < t < 0.05  # a tiny model's step: Python and bookkeeping, not arithmetic
