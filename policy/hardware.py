@@ -2,10 +2,11 @@
 
 Knows: the fields of a profile (memory sizes, link and disk bandwidths, GPU
 matmul and batched-matmul throughput at prefill and decode shapes, CPU
-attention and dequantization rates, the host's time per engine step), two presets (`flexgen-t4`, the constants
-FlexGen fitted for its T4 machine, and `h200`, from the device's measured
-constants), measuring one on this machine in under a minute, and caching it
-as JSON in the user cache folder, keyed by machine.
+attention and dequantization rates, the host's time per engine step), two
+presets (`flexgen-t4`, the constants FlexGen fitted for its T4 machine, and
+`h200`, from the device's measured constants), measuring one on this machine
+in under a minute, and caching it as JSON in the user cache folder, keyed by
+machine.
 Does not know: models or policies.
 """
 
