@@ -25,6 +25,8 @@ import torch
 from common import environment, table, write_jsonl
 from throughput import Bench, parse_policy
 
+from flexoff.offload.lanes import LANE_MARK
+
 MAX_TRACE = 15 << 20  # bytes of compressed trace worth keeping
 
 
@@ -54,6 +56,9 @@ def summarize(trace: dict[str, Any]) -> dict[str, Any]:
     names = {e["tid"]: e["args"]["name"] for e in events
              if e.get("ph") == "M" and e.get("name") == "thread_name" and "args" in e}
     spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    for e in spans:  # a worker thread is named by the engine lane whose work it runs
+        if str(e.get("name", "")).startswith(LANE_MARK):
+            names[e.get("tid")] = str(e["name"])[len(LANE_MARK):]
     marks = sorted(e["ts"] + e["dur"] for e in spans if str(e.get("name", "")).startswith("flexoff: token step 0"))
     if not spans:
         return {"error": "no events recorded"}
@@ -69,6 +74,8 @@ def summarize(trace: dict[str, Any]) -> dict[str, Any]:
             key = f"GPU stream {e.get('args', {}).get('stream', e.get('tid'))}"
         elif cat == "cpu_op":
             key = f"CPU thread {names.get(e.get('tid'), e.get('tid'))}"
+        elif name.startswith(LANE_MARK):  # a lane's tasks, Python and GIL waits included
+            key = f"lane {name[len(LANE_MARK):]}"
         else:
             continue
         groups.setdefault(key, []).append((e["ts"], e["ts"] + e["dur"]))
@@ -78,6 +85,17 @@ def summarize(trace: dict[str, Any]) -> dict[str, Any]:
     gaps = sorted(((b[0] - a[1], a[1] - lo) for a, b in zip(h2d, h2d[1:])), reverse=True)[:10]
     return {"window_us": width, "rows": rows,
             "h2d_gaps_us": [{"gap": g, "at": at} for g, at in gaps]}
+
+
+def all_threads() -> Any:
+    """Kineto's setting that records ops on every thread (the engine's lanes are threads started
+    before profiling, which it otherwise leaves out), where this torch has it."""
+    try:
+        from torch._C._profiler import _ExperimentalConfig
+
+        return _ExperimentalConfig(profile_all_threads=True)
+    except (ImportError, TypeError):
+        return None
 
 
 def main() -> int:
@@ -106,7 +124,7 @@ def main() -> int:
         bench.llm.policy_arg = policy
         bench.llm.generate(prompts, max_new_tokens=args.gen_len)  # set-up run
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-        with profile(activities=acts) as prof:
+        with profile(activities=acts, experimental_config=all_threads()) as prof:
             bench.llm.generate(prompts, max_new_tokens=args.gen_len)
     finally:
         bench.close()

@@ -59,6 +59,7 @@ class Event:
 
 
 DONE = Event()
+LANE_MARK = "flexoff lane: "
 
 
 class ThreadLane:
@@ -66,6 +67,7 @@ class ThreadLane:
 
     def __init__(self, name: str):
         self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"flexoff-{name}")
+        self._mark = f"{LANE_MARK}{name}"  # names the lane's work in profiler traces
         self.last = DONE
 
     def run(self, fn: Callable[[], Any], deps: Iterable[Event] = ()) -> Event:
@@ -74,7 +76,8 @@ class ThreadLane:
         def task() -> Any:
             for d in deps:
                 d.wait_host()
-            return fn()
+            with torch.profiler.record_function(self._mark):
+                return fn()
 
         self.last = Event(fut=self._pool.submit(task))
         return self.last

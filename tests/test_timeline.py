@@ -25,6 +25,8 @@ def test_summary_counts_busy_time_and_gaps_in_the_decode_window():
         x("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 240, 60),  # gap 60; window ends at 300
         x("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 150, 20),
         x("kernel", "gemm", 110, 40, tid=7, stream=7),
+        x("user_annotation", "flexoff lane: cpu-attention", 120, 100, tid=3),
+        x("cpu_op", "aten::bmm", 130, 50, tid=3),
     ]}
     s = summarize(trace)
     rows = {r["what"]: r for r in s["rows"]}
@@ -32,5 +34,7 @@ def test_summary_counts_busy_time_and_gaps_in_the_decode_window():
     assert rows["link host to device"]["busy"] == pytest.approx((50 + 10 + 60) / 200)
     assert rows["link device to host"]["busy"] == pytest.approx(20 / 200)
     assert rows["GPU stream 7"]["busy"] == pytest.approx(40 / 200)
+    assert rows["lane cpu-attention"]["busy"] == pytest.approx(100 / 200)
+    assert rows["CPU thread cpu-attention"]["busy"] == pytest.approx(50 / 200)  # named by its lane
     assert [g["gap"] for g in s["h2d_gaps_us"]] == [60, 20]
     assert s["h2d_gaps_us"][0]["at"] == pytest.approx(80)
