@@ -25,7 +25,7 @@ import torch
 from common import environment, table, write_jsonl
 from throughput import Bench, parse_policy
 
-from flexoff.offload.lanes import LANE_MARK
+from flexoff.offload.lanes import LANE_MARK, mark_lanes
 
 MAX_TRACE = 15 << 20  # bytes of compressed trace worth keeping
 
@@ -124,8 +124,10 @@ def main() -> int:
         bench.llm.policy_arg = policy
         bench.llm.generate(prompts, max_new_tokens=args.gen_len)  # set-up run
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        mark_lanes(True)
         with profile(activities=acts, experimental_config=all_threads()) as prof:
             bench.llm.generate(prompts, max_new_tokens=args.gen_len)
+        mark_lanes(False)
     finally:
         bench.close()
     with tempfile.TemporaryDirectory() as tmp:

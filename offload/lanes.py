@@ -60,6 +60,13 @@ class Event:
 
 DONE = Event()
 LANE_MARK = "flexoff lane: "
+_marked = False  # whether lanes name their tasks for a profiler
+
+
+def mark_lanes(on: bool) -> None:
+    """Name each lane's tasks in profiler traces (benchmarks/timeline.py); off by default."""
+    global _marked
+    _marked = on
 
 
 class ThreadLane:
@@ -76,6 +83,8 @@ class ThreadLane:
         def task() -> Any:
             for d in deps:
                 d.wait_host()
+            if not _marked:
+                return fn()
             with torch.profiler.record_function(self._mark):
                 return fn()
 
