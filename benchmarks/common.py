@@ -33,7 +33,8 @@ def environment() -> dict[str, Any]:
     cuda = torch.cuda.is_available()
     return {"device": torch.cuda.get_device_name(0) if cuda else f"cpu ({platform.processor() or 'x86_64'})",
             "cpus": os.cpu_count(), "torch": torch.__version__, "commit": os.environ.get("FLEXOFF_COMMIT", commit()),
-            "date": datetime.date.today().isoformat(), "host": platform.node()}
+            "date": datetime.date.today().isoformat(), "host": platform.node(),
+            "settings": {k: v for k, v in os.environ.items() if k.startswith("FLEXOFF_") and k != "FLEXOFF_COMMIT"}}
 
 
 def write_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> None:

@@ -12,8 +12,9 @@
 #   PHASE=F bash benchmarks/device_measure.sh OUT   # auto and two hand policies without compression,
 #                                                   # then the Accelerate baseline, in one run
 #   PHASE=G bash benchmarks/device_measure.sh OUT   # GPU tests; the host's time per engine step; the
-#                                                   # 3-4 GPU batch CPU-attention shapes and auto+c
-#                                                   # predicted with it
+#                                                   # 3-4 GPU batch CPU-attention shapes with CPU
+#                                                   # attention's output staged on either lane; auto+c
+#                                                   # searched and predicted with the host step
 #   PHASE=E bash benchmarks/device_measure.sh OUT   # GPU tests; CPU-attention shapes; timelines of a
 #                                                   # CPU-attention and the compressed policy
 # Predictions use benchmarks/data/h200-measured.json (flexoff profile on the device, with CPU attention
@@ -84,9 +85,14 @@ case "${PHASE:-A}" in
        d = json.load(open('$HW')); d['host_step_s'] = host_step(torch.device('cuda')); \
        json.dump(d, open('$OUT/hw-host-step.json', 'w'), indent=2); print('host_step_s', d['host_step_s'])"
      echo "=== opt-30b ($(date +%T))"
-     timeout 400 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware "$OUT/hw-host-step.json" \
-       --policy "16x3:0,100,0,100,100,0:a" --policy "8x4:0,100,0,100,100,0:a" --policy auto+c --time-budget 230 \
-       --out "$OUT" 2>&1 | grep -v "^\s*$" | grep -v "^---" ;;
+     for stage in output attention; do  # where CPU attention's output is staged (same call, both)
+       FLEXOFF_STAGE_OUT=$stage timeout 170 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB \
+         --hardware "$OUT/hw-host-step.json" --policy "16x3:0,100,0,100,100,0:a" --policy "8x4:0,100,0,100,100,0:a" \
+         --out "$OUT/stage-$stage" 2>&1 | grep -v "^\s*$" | grep -v "^---" | tail -3
+     done
+     timeout 180 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware "$OUT/hw-host-step.json" \
+       --policy auto+c --out "$OUT" 2>&1 | grep -v "^\s*$" | grep -v "^---"
+     rm -f "$OUT"/throughput.jsonl "$OUT"/stage-*/throughput.jsonl ;;  # runs.jsonl has every run (8 files come back)
   E) echo "=== gpu tests ($(date +%T))"
      timeout 180 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
      echo "=== opt-30b, weights and cache on CPU ($(date +%T))"

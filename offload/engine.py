@@ -106,6 +106,11 @@ class _HostIO:
         self.cuda, self.device, self.dtype = lanes.cuda, mem.device, dtype
         self.free: list[list[Event]] = [[] for _ in range(self.SETS)]  # when each set may be refilled
         self.next = 0
+        # Where the output is staged into pinned memory: on the output lane (the measured default),
+        # or with FLEXOFF_STAGE_OUT=attention on the attention lane, whose thread team is already
+        # running (an experiment: the output lane's copy may start an OpenMP team of its own next
+        # to attention's; see benchmarks/RESULTS.md)
+        self.stage_on_attention = os.environ.get("FLEXOFF_STAGE_OUT") == "attention"
         if self.cuda:
             qn, kvn = rows * spec.num_heads * spec.head_dim, rows * spec.num_kv_heads * spec.head_dim
             self.bufs = [[mem.alloc("cpu", n * dtype.itemsize).view(dtype) for n in (qn, kvn, kvn, qn)]
@@ -130,11 +135,18 @@ class _HostIO:
             self.down.synchronize()
         return out
 
-    def to_device(self, s: int, o: torch.Tensor) -> torch.Tensor:
+    def stage_out(self, s: int, o: torch.Tensor) -> torch.Tensor:
+        """The attention output in set s's pinned buffer (a host copy)."""
         if not self.cuda:
             return o
         h = self.bufs[s][3][:o.numel()].view(o.shape)
         h.copy_(o)
+        return h
+
+    def to_device(self, h: torch.Tensor) -> torch.Tensor:
+        """A pinned output on the device (a DMA copy)."""
+        if not self.cuda:
+            return h
         with torch.cuda.stream(self.up):
             d = h.to(self.device, non_blocking=True)
             self.up.synchronize()
@@ -466,13 +478,16 @@ class Engine:
             else:
                 codec.write(seg.buf, rows, t, kh, vh)
                 o = attend(qh, *codec.read(seg.buf, rows, t + 1), mask, scale)
+            if io.stage_on_attention:
+                o = io.stage_out(buf, o)
             timing["cpu_attention_compute_s"] += time.perf_counter() - t0
             timing["cpu_attention_calls"] += 1
             return o
 
         def up() -> torch.Tensor:
             t0 = time.perf_counter()
-            out = io.to_device(buf, done.result())
+            o = done.result()
+            out = io.to_device(o if io.stage_on_attention else io.stage_out(buf, o))
             timing["cpu_attention_up_s"] += time.perf_counter() - t0
             return out
 
@@ -480,10 +495,13 @@ class Engine:
         self.cpu_attention_bytes += rows * (t + 1) * self.kv.codec.rec_bytes
         got = lanes.cpu_down.run(down, [lanes.compute.mark()] + free)
         done = lanes.cpu.run(attention, [got] + seg.track.claim())
-        io.free[buf] = [done]  # its q, k, v buffers are read by then
         seg.track.wrote(done)
         seg.track.tag = t + 1
-        return lanes.cpu_up.run(up, [done])
+        sent = lanes.cpu_up.run(up, [done])
+        # the set's q, k, v buffers are read once attention is done; staged on the attention lane,
+        # its output buffer is free again only once sent (the output lane alone touches it otherwise)
+        io.free[buf] = [done, sent] if io.stage_on_attention else [done]
+        return sent
 
     def _prompt_logprobs(self, w: Mapping[str, Any], h: torch.Tensor, st: _Batch) -> torch.Tensor:
         """Log-probability of each prompt token given the ones before it: (n, S-1)."""

@@ -41,3 +41,19 @@ def test_covering_matrix_on_smollm2(smol, smol_hf):
     finally:
         smol.policy_arg = saved
         smol.close()
+
+
+def test_cpu_attention_with_its_output_staged_on_the_attention_lane(tiny, tiny_refs, monkeypatch):
+    """The experiment FLEXOFF_STAGE_OUT=attention (buffer sets also wait for their output to be
+    sent) gives the reference's tokens for every CPU-attention policy of the matrix."""
+    monkeypatch.setenv("FLEXOFF_STAGE_OUT", "attention")
+    want = [r for r, _ in tiny_refs["llama"]]
+    policies = [p for p in FULL if p.cpu_cache_compute]
+    assert policies
+    with LLM(str(tiny["llama"].path)) as llm:
+        for p in policies:
+            llm.policy_arg = p
+            got = [c.token_ids for c in llm.generate([{"prompt_ids": q} for q in PROMPTS],
+                                                       max_new_tokens=8).completions]
+            assert llm.engine.host_io.stage_on_attention
+            assert got == want, p.describe()
