@@ -200,6 +200,12 @@ class LLM:
             self.tiers = Tiers(self.device, self.options.offload_dir)
         old = self.weights
         reuse = old is not None and old.matches(fmt, policy)
+        if old is not None and not reuse:  # free before the new engine allocates: it counts them free
+            if old.fmt.key != fmt.key and old.fmt.key[0] != "plain":
+                old.release()  # compressed weights cannot become exact ones: read the checkpoint again
+                self.weights = old = None
+            else:
+                old.release_slots()
         engine = Engine(m.family, m.spec, policy, device=self.device, dtype=self.dtype,
                         max_prompt=max_prompt, max_gen=max_gen, offload_dir=self.options.offload_dir,
                         budgets=self.options.budgets, weight_format=fmt, kv_codec=codec, tiers=self.tiers,
@@ -225,9 +231,6 @@ class LLM:
     def _place_weights(self, new: Any, old: Any) -> None:
         m = self.model
         self.weights = new
-        if old is not None and old.fmt.key != new.fmt.key and old.fmt.key[0] != "plain":
-            old.release()  # compressed weights cannot become exact ones: read the checkpoint again
-            old = None
         src_dev = self.device if (old is not None or m.name.startswith("dummy:")) else torch.device("cpu")
         layers = tqdm(enumerate(m.spec.layers), total=len(m.spec.layers), unit="layer", leave=False,
                       desc="loading weights" if old is None else "moving weights", disable=not self.progress)

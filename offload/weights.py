@@ -127,6 +127,15 @@ class WeightStore:
         self.slots = []
         self._views.clear()
 
+    def release_slots(self) -> None:
+        """Give back the GPU staging slots (before the layers move to a new store, which has
+        its own): moving needs only the layers' homes."""
+        for slot in self.slots:
+            self.mem.free(slot.buf)
+        self.slots = []
+        self._in_slot.clear()
+        self._views.clear()
+
     # ---- staging -------------------------------------------------------
     def prefetch(self, j: int) -> None:
         """Start copying layer j's non-resident bytes into a GPU slot."""

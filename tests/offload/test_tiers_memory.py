@@ -197,3 +197,26 @@ def test_a_closed_engine_still_referenced_holds_no_buffers():
         gc.collect()
         alive = sum(r() is not None for r in refs)
         assert e is not None and alive == 0, f"{alive} of {len(refs)} buffers outlive close()"
+
+
+def _allocated_gpu(plan) -> int:
+    return sum(plan.parts[w]["gpu"] for w in ("weights", "kv cache", "buffers"))
+
+
+@pytest.mark.parametrize("compressed_first", [True, False])
+def test_switching_policies_never_holds_both_engines_weight_slots(compressed_first):
+    """Moving to a new weight placement (or from 4-bit weights back to exact ones) must not hold
+    the old store's GPU staging slots next to the new engine's allocations: the new plan counts
+    the old weights as free, so the GPU tier may never peak above the larger of the two plans."""
+    base = dict(gpu_batch_size=2, num_gpu_batches=2, w_gpu_percent=0, w_cpu_percent=100,
+                cache_gpu_percent=100, cache_cpu_percent=0, act_gpu_percent=100, act_cpu_percent=0)
+    first, second = Policy(**base, compress_weight=True), Policy(**{**base, "w_gpu_percent": 10, "w_cpu_percent": 90})
+    if not compressed_first:
+        first, second = Policy(**base), Policy(**{**base, "w_gpu_percent": 10, "w_cpu_percent": 90})
+    with LLM("dummy:llama-tiny") as llm:
+        plans = []
+        for p in (first, second):
+            llm.policy_arg = p
+            llm.generate([{"prompt_ids": q} for q in PROMPTS[:4]], max_new_tokens=3)
+            plans.append(_allocated_gpu(llm.engine.plan))
+        assert llm.tiers.gpu.peak <= max(plans), (llm.tiers.gpu.peak, plans)
