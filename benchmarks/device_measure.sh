@@ -4,7 +4,8 @@
 #                                                   # contention, OPT-30B with weights and cache on CPU
 #   PHASE=A bash benchmarks/device_measure.sh OUT   # GPU tests; OPT-30B 512+32, 16 GiB GPU: weights and
 #                                                   # cache on CPU at three shapes, auto, ablations
-#   PHASE=B bash benchmarks/device_measure.sh OUT   # ablations, and the frontier from their runs and 8x1
+#   PHASE=B bash benchmarks/device_measure.sh OUT   # ablations, every row in one run (about 9 minutes)
+#   PHASE=H bash benchmarks/device_measure.sh OUT   # the latency-throughput frontier over small blocks
 #   PHASE=C bash benchmarks/device_measure.sh OUT   # eval run on OPT-30B (about 4 minutes)
 #   PHASE=D bash benchmarks/device_measure.sh OUT   # the full system, auto without compression, the
 #                                                   # best hand policy and the Accelerate baseline in
@@ -61,9 +62,11 @@ case "${PHASE:-A}" in
      echo "=== opt-30b ($(date +%T))"
      timeout 470 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW "${CPU[@]}" \
        --policy auto --ablations --time-budget 360 --out "$OUT" 2>&1 | grep -v "^\s*$" | grep -v "^label\|^---" ;;
-  B) timeout 360 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW --ablations \
-       --frontier 8x1 --time-budget 270 --out "$OUT" >"$OUT/b.log" 2>&1
+  B) timeout 585 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW --ablations \
+       --time-budget 450 --out "$OUT" >"$OUT/b.log" 2>&1
      echo "exit $?"; free -g | head -2; grep -v "^\s*$" "$OUT/b.log" | grep -v "^---" ;;
+  H) timeout 585 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW \
+       --frontier 1x1,4x1,8x1,16x1,32x1,24x2 --time-budget 450 --out "$OUT" 2>&1 | grep -v "^\s*$" | grep -v "^---" ;;
   C) evaluation 400
      # where a compressed block's decode time goes, on OPT-30B cut to 4 layers (same per-layer work)
      mkdir -p /tmp/cut && python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; \

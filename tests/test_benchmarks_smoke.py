@@ -29,8 +29,8 @@ def test_smoke_suite_writes_valid_records(tmp_path):
         assert r["prefill_s"] > 0 and r["decode_s"] > 0 and r["gen_tok_s"] > 0 and r["predicted_tok_s"] > 0
         assert r["gen_len"] == 8 and r["prompt_len"] == 48
     labels = [r["label"] for r in recs if r["kind"] == "ablation"]
-    assert labels[:5] == ["all optimizations", "no policy search", "no overlap", "no CPU attention", "no compression"]
-    assert "no disk" in labels
+    assert labels[0] == "all optimizations" and set(labels) == {
+        "all optimizations", "no policy search", "no overlap", "no CPU attention", "no compression", "no disk"}
     assert all(r["ratio_to_full"] > 0 for r in recs if r["kind"] == "ablation")
     front = [r for r in recs if r["kind"] == "frontier"]
     assert any(r["pareto"] for r in front) and all(r["latency_s"] > 0 for r in front)
