@@ -21,6 +21,8 @@ import torch
 
 from common import environment, table, write_jsonl
 
+from flexoff.policy.hardware import host_copy_bandwidth
+
 
 def timed(fn, repeat: int = 5) -> float:
     fn()
@@ -30,15 +32,6 @@ def timed(fn, repeat: int = 5) -> float:
         fn()
         ts.append(time.perf_counter() - t0)
     return sorted(ts)[len(ts) // 2]
-
-
-def memcpy_bandwidth() -> tuple[float, float]:
-    """Host memcpy bytes/s (read + written) of a 1 GiB buffer, and seconds per copy."""
-    big = torch.empty(1 << 28, dtype=torch.float32)
-    big.normal_()
-    other = torch.empty_like(big)
-    s = timed(lambda: other.copy_(big), 3)
-    return 2 * big.numel() * 4 / s / 1e9, s
 
 
 def contention(threads: list[int], b: int, h: int, d: int, t: int, seconds: float = 1.5) -> list[dict]:
@@ -113,7 +106,8 @@ def main() -> int:
         write_jsonl(args.out / "contention.jsonl", [{**environment(), **vars(args), "out": str(args.out), **r}
                                                     for r in rows])
         return 0
-    copy_bw, s = memcpy_bandwidth()
+    copy_bw, s = host_copy_bandwidth(1 << 30)  # 1 GiB
+    copy_bw /= 1e9
     rows = [{"variant": "memcpy (read+write)", "dtype": "", "ms": s * 1e3, "GB/s": copy_bw}]
     mask = torch.ones(b, 1, t, dtype=torch.bool)
     for dtype in (torch.float16, torch.bfloat16, torch.float32):

@@ -23,6 +23,8 @@ from typing import Any
 import torch
 
 from common import environment, table, write_jsonl
+
+from flexoff.errors import GpuOutOfMemoryError
 from throughput import Bench, parse_policy
 
 GiB = 2**30
@@ -88,7 +90,7 @@ def main() -> int:
                            reserved_GiB=torch.cuda.max_memory_reserved() / GiB)
                 row["peak/plan"] = row["peak_GiB"] / row["plan_GiB"]
                 row["ok"] = row["peak_GiB"] <= row["plan_GiB"]
-            except torch.OutOfMemoryError as e:
+            except (torch.OutOfMemoryError, GpuOutOfMemoryError) as e:
                 row.update(ok=False, error=str(e).split(".")[0])
             llm.drop_engine()
             rows.append(row)

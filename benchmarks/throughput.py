@@ -24,6 +24,8 @@ import torch
 
 from common import environment, table, write_jsonl
 
+from flexoff.errors import GpuOutOfMemoryError
+
 COLUMNS = ["label", "model", "policy", "prefill_s", "decode_s", "gen_tok_s", "decode_tok_s", "predicted_tok_s",
            "measured/predicted", "decode_bound_s", "decode/bound", "decode_link_busy", "decode_link_GBps",
            "peak_gpu_GiB", "peak_cpu_GiB"]
@@ -87,7 +89,7 @@ class Bench:
         try:
             try:
                 rec = self._measure(label, policy, prompt_len, gen_len, num_prompts, kind)
-            except torch.OutOfMemoryError:
+            except GpuOutOfMemoryError:
                 if policy not in self.searched:
                     raise
                 rec = None  # searched again below, once this handler's frames (and buffers) are gone
@@ -109,19 +111,19 @@ class Bench:
 
     def _search_again(self, label: str, policy: Any, prompt_len: int, gen_len: int, num_prompts: int | None,
                       kind: str) -> dict[str, Any]:
-        """What `--policy auto` does after running out of GPU memory: search with less of it."""
-        from flexoff.api import OOM_RETRIES, oom_step
+        """What `--policy auto` does after running out of GPU memory (the LLM runs searched policies
+        as given here, so the search is the benchmark's): search with less of it."""
+        from flexoff.api import OOM_RETRIES
 
         for attempt in range(OOM_RETRIES):
-            self.llm.drop_engine()
-            self.llm.gpu_margin += oom_step(self.budgets["gpu_mem"] or torch.cuda.mem_get_info()[1])
+            self.llm.leave_more_gpu_memory()
             print(f"{label}: out of GPU memory with {policy.describe()}; searching with "
                   f"{self.llm.gpu_margin / 2**30:.1f} GiB less", file=sys.stderr, flush=True)
             failed, policy = policy.describe(), self.searched[policy]()
             try:
                 rec = self._measure(label, policy, prompt_len, gen_len, num_prompts, kind)
                 return dict(rec, out_of_memory_first=failed, gpu_margin=self.llm.gpu_margin)
-            except torch.OutOfMemoryError:
+            except GpuOutOfMemoryError:
                 if attempt == OOM_RETRIES - 1:
                     raise
         raise AssertionError("unreachable")

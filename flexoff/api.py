@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from flexoff.checkpoint import LoadedModel, load_model
-from flexoff.errors import FlexoffError, InputError, MemoryBudgetError
+from flexoff.errors import FlexoffError, GpuOutOfMemoryError, InputError
 from flexoff.generation import Completion, Request, RunStats, plan_blocks, run_block
 from flexoff.offload.engine import Engine
 from flexoff.offload.tiers import Budgets, Tiers
@@ -287,9 +287,9 @@ class LLM:
         try:
             for attempt in range(OOM_RETRIES + 1):
                 todo = [r for r in reqs if r.id not in done]
-                engine = self.engine_for(policy, max(len(r.prompt_ids) for r in todo),
-                                         max(1, max(r.params.max_new_tokens for r in todo)))
-                try:
+                try:  # setting up the engine may run out too (weights loaded through the GPU)
+                    engine = self.engine_for(policy, max(len(r.prompt_ids) for r in todo),
+                                             max(1, max(r.params.max_new_tokens for r in todo)))
                     for block in plan_blocks(todo, policy.block_size):
                         comps, st = run_block(engine, self.tokenizer, block, self.seed, prompt_logprobs, on_logits)
                         st.peak_bytes = engine.peaks()
@@ -308,19 +308,24 @@ class LLM:
         return GenerationOutput([done[r.id] for r in reqs], stats, policy)
 
     def _after_oom(self, policy: Policy, todo: list[Request], attempt: int) -> Policy:
-        """The GPU ran out of memory in a block (finished blocks are kept). A searched policy is
-        searched again with less GPU memory; a given one is an error that says what to change."""
+        """The GPU ran out of memory setting up or in a block (finished blocks are kept). A searched
+        policy is searched again with less GPU memory; a given one is an error that says what to
+        change."""
         self.drop_engine()
         if self.policy_arg != "auto" or attempt == OOM_RETRIES:
-            raise MemoryBudgetError(
+            raise GpuOutOfMemoryError(
                 f"the GPU ran out of memory running {policy.describe()}: lower --gpu-mem, move more "
                 "weights or cache off the GPU, or use a smaller --gpu-batch-size") from None
-        cap = self.options.budgets.gpu or (torch.cuda.get_device_properties(self.device).total_memory
-                                           if self.device.type == "cuda" else 0)
-        self.gpu_margin += oom_step(cap)
+        self.leave_more_gpu_memory()
         warnings.warn(f"out of GPU memory with {policy.describe()}; searching again with "
                       f"{self.gpu_margin / 2**30:.2f} GiB less GPU memory", stacklevel=3)
         return self.choose_policy(todo)
+
+    def leave_more_gpu_memory(self) -> None:
+        """After the GPU ran out of memory: policy searches leave oom_step more of it unplanned."""
+        cap = self.options.budgets.gpu or (torch.cuda.get_device_properties(self.device).total_memory
+                                           if self.device.type == "cuda" else 0)
+        self.gpu_margin += oom_step(cap)
 
     def __enter__(self) -> "LLM":
         return self

@@ -29,3 +29,7 @@ class PolicyError(FlexoffError):
 
 class MemoryBudgetError(FlexoffError):
     """A policy that does not fit the memory budgets it is given."""
+
+
+class GpuOutOfMemoryError(MemoryBudgetError):
+    """The GPU ran out of memory under a policy the engine's plan accepted."""

@@ -29,7 +29,7 @@ from flexoff.offload.activations import HiddenStore
 from flexoff.offload.kvcache import KVCodec, KVStore, PlainKV
 from flexoff.offload.lanes import Event, Lanes
 from flexoff.offload.layout import Layout, PlainFormat, WeightFormat
-from flexoff.offload.memory import MemoryPlan, check, plan_memory
+from flexoff.offload.memory import HOST_IO_SETS, MemoryPlan, check, plan_memory
 from flexoff.offload.mover import Mover
 from flexoff.offload.schedule import Step, zigzag
 from flexoff.offload.tiers import Budgets, Ledger, Tiers
@@ -100,7 +100,7 @@ class _HostIO:
     returns its output (its own streams: never queued behind weight transfers). Two sets of
     buffers, used by alternate calls, so one call's copies overlap the previous call's attention."""
 
-    SETS = 2
+    SETS = HOST_IO_SETS
 
     def __init__(self, lanes: Lanes, mem: Ledger, rows: int, spec: ModelSpec, dtype: torch.dtype):
         self.cuda, self.device, self.dtype = lanes.cuda, mem.device, dtype

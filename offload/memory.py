@@ -30,6 +30,7 @@ from flexoff.offload.weights import num_slots, plan_weights, weight_bytes
 from flexoff.policy.policy import Policy
 
 GPU_RESERVE = 1 << 30  # CUDA allocator slack and fragmentation
+HOST_IO_SETS = 2  # CPU attention's pinned buffer sets: one call's copies overlap the last's attention
 
 
 @dataclass
@@ -59,8 +60,9 @@ def plan_memory(spec: ModelSpec, layouts: list[Layout], kv_rec_bytes: int, polic
     plan.add("activations", act_bytes(spec, elem, policy, max_prompt))
     pinned = 4 * CHUNK if (cuda and plan.total("disk") > 0) else 0  # disk bounce buffers
     if policy.cpu_cache_compute and cuda:
-        # CPU attention's two sets of q, k, v and output buffers (offload.engine._HostIO)
-        pinned += 2 * 2 * (spec.num_heads + spec.num_kv_heads) * spec.head_dim * policy.gpu_batch_size * elem
+        # CPU attention's sets of q, k, v and output buffers (offload.engine._HostIO)
+        per_set = 2 * (spec.num_heads + spec.num_kv_heads) * spec.head_dim * policy.gpu_batch_size * elem
+        pinned += HOST_IO_SETS * per_set
     plan.add("buffers", {"cpu": pinned})
     device = "cuda" if cuda else "cpu"
     working = spec.working_bytes(policy.gpu_batch_size, max_prompt, elem, device) + (GPU_RESERVE if cuda else 0)

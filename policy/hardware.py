@@ -183,10 +183,7 @@ def measure(offload_dir: str | None = None, size: int = 512 << 20, quick: bool =
         (bmm(8, 64, 64, 64), bmm(64, 1, 64, 256))
     cpu_attn, cpu_flops = _cpu_attention(quick)
     deq, cpu_deq = _dequant(dev, quick)
-    big = torch.empty(size // 4, dtype=torch.float32)
-    big.fill_(1.0)
-    other = torch.empty_like(big)
-    cpu_mem = 2 * size / _timed(lambda: other.copy_(big), lambda: None, repeat=3)
+    cpu_mem = host_copy_bandwidth(size)[0]
     disk_free = shutil.disk_usage(offload_dir or tempfile.gettempdir()).free
     gpu_mem = torch.cuda.get_device_properties(0).total_memory if cuda else psutil.virtual_memory().total
     return Hardware(f"measured:{platform.node()}", dev.type, gpu_mem=float(gpu_mem),
@@ -214,6 +211,15 @@ def host_step(dev: torch.device, offload_dir: str | None = None, nb: int = 4, ge
         st = llm.generate(prompts, max_new_tokens=gen).stats
         steps = (gen - 1) * len(llm.model.spec.layers) * nb
     return st.decode_s / steps
+
+
+def host_copy_bandwidth(nbytes: int) -> tuple[float, float]:
+    """Bytes/s of a host memcpy of nbytes (read plus written), and the seconds one copy takes."""
+    big = torch.empty(nbytes // 4, dtype=torch.float32)
+    big.fill_(1.0)
+    other = torch.empty_like(big)
+    s = _timed(lambda: other.copy_(big), lambda: None, repeat=3)
+    return 2 * big.numel() * 4 / s, s
 
 
 def _disk(offload_dir: str | None, buf: torch.Tensor) -> tuple[float, float]:

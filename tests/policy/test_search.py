@@ -131,7 +131,7 @@ def test_auto_policy_searches_again_after_the_gpu_runs_out(tiny, tiny_refs, tmp_
 
     import flexoff.api as api
     from flexoff import LLM
-    from flexoff.errors import MemoryBudgetError
+    from flexoff.errors import GpuOutOfMemoryError, MemoryBudgetError
     from flexoff.policy.hardware import save
     from flexoff.policy.policy import Policy
     from reference import PROMPTS
@@ -160,6 +160,27 @@ def test_auto_policy_searches_again_after_the_gpu_runs_out(tiny, tiny_refs, tmp_
     calls.clear()  # a policy the user gave is not changed: a one-line error says what to do
     with LLM(str(tiny["llama"].path), policy=Policy(gpu_batch_size=2), gpu_mem=gpu_mem) as llm:
         with pytest.raises(MemoryBudgetError, match="ran out of memory running 2x1"):
+            llm.generate([{"prompt_ids": p} for p in PROMPTS], max_new_tokens=8)
+
+    # running out while the engine is set up (weights loaded through the GPU) is handled the same way
+    monkeypatch.setattr(api, "run_block", real)
+    made, engine_cls = [], api.Engine
+
+    def setup_fails_once(*args, **kw):
+        made.append(args[2])
+        if len(made) == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return engine_cls(*args, **kw)
+
+    monkeypatch.setattr(api, "Engine", setup_fails_once)
+    with LLM(str(tiny["llama"].path), policy="auto", hardware=str(profile), gpu_mem=gpu_mem,
+             cpu_mem=1 << 30) as llm:
+        out = llm.generate([{"prompt_ids": p} for p in PROMPTS], max_new_tokens=8)
+        assert llm.gpu_margin == api.oom_step(gpu_mem) and len(made) == 2
+    assert [c.token_ids for c in out.completions] == [r for r, _ in tiny_refs["llama"]]
+    made.clear()
+    with LLM(str(tiny["llama"].path), policy=Policy(gpu_batch_size=2), gpu_mem=gpu_mem) as llm:
+        with pytest.raises(GpuOutOfMemoryError, match="ran out of memory running 2x1"):
             llm.generate([{"prompt_ids": p} for p in PROMPTS], max_new_tokens=8)
 
 
