@@ -62,8 +62,8 @@ case "${PHASE:-A}" in
      echo "=== opt-30b ($(date +%T))"
      timeout 470 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW "${CPU[@]}" \
        --policy auto --ablations --time-budget 360 --out "$OUT" 2>&1 | grep -v "^\s*$" | grep -v "^label\|^---" ;;
-  B) timeout 585 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW --ablations \
-       --time-budget 450 --out "$OUT" >"$OUT/b.log" 2>&1
+  B) timeout 588 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW --ablations \
+       --time-budget 460 --out "$OUT" >"$OUT/b.log" 2>&1
      echo "exit $?"; free -g | head -2; grep -v "^\s*$" "$OUT/b.log" | grep -v "^---" ;;
   H) timeout 585 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW \
        --frontier 1x1,4x1,8x1,16x1,32x1,24x2 --time-budget 450 --out "$OUT" 2>&1 | grep -v "^\s*$" | grep -v "^---" ;;

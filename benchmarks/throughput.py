@@ -18,7 +18,7 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -206,8 +206,12 @@ def naive_policies(bench: Bench, prompt_len: int, gen_len: int) -> list[Any]:
     return fits[::-1][:3]
 
 
-def ablations(bench: Bench, s: int, n: int) -> list[dict[str, Any]]:
-    """FlexGen's Table 4: the full system, then one optimization off at a time, in one run."""
+ABLATIONS = ("compression", "search", "cpu-attention", "disk", "overlap")  # the slowest (no overlap) last
+
+
+def ablations(bench: Bench, s: int, n: int, rows: Sequence[str] = ABLATIONS) -> list[dict[str, Any]]:
+    """FlexGen's Table 4: the full system, then one optimization off at a time (those of `rows`),
+    in one run."""
     def attempt(label: str, make: Any) -> dict[str, Any] | None:
         try:
             p = make()
@@ -220,6 +224,8 @@ def ablations(bench: Bench, s: int, n: int) -> list[dict[str, Any]]:
     if full is None:
         return []
     fp = full["policy_obj"]
+    uses_disk = bool(fp.w_disk_percent or fp.cache_disk_percent or fp.act_disk_percent)
+
     def naive() -> dict[str, Any] | None:
         for p in naive_policies(bench, s, n):  # step down a batch size after running out of memory
             r = bench.run("no policy search", p, s, n, kind="ablation")
@@ -227,17 +233,17 @@ def ablations(bench: Bench, s: int, n: int) -> list[dict[str, Any]]:
                 return r
         return None
 
-    out = [full] + [r for r in (  # the slowest (no overlap) last, should a time budget end the run
-        attempt("no compression", lambda: bench.resolve("auto", s, n, None)),
-        naive(),
-        attempt("no CPU attention", lambda: bench.resolve("auto+c", s, n, None, cpu_attention="off")),
-        attempt("no disk", lambda: bench.resolve("auto+c", s, n, None, no_disk=True))
-        if (fp.w_disk_percent or fp.cache_disk_percent or fp.act_disk_percent) else None,
-        attempt("no overlap", lambda: fp.replace(overlap=False)),
-    ) if r is not None]
+    row = {"compression": lambda: attempt("no compression", lambda: bench.resolve("auto", s, n, None)),
+           "search": naive,
+           "cpu-attention": lambda: attempt("no CPU attention",
+                                            lambda: bench.resolve("auto+c", s, n, None, cpu_attention="off")),
+           "disk": lambda: attempt("no disk", lambda: bench.resolve("auto+c", s, n, None, no_disk=True))
+           if uses_disk else None,
+           "overlap": lambda: attempt("no overlap", lambda: fp.replace(overlap=False))}
+    out = [full] + [r for r in (row[k]() for k in ABLATIONS if k in rows) if r is not None]
     for r in out:
         r["ratio_to_full"] = r["gen_tok_s"] / full["gen_tok_s"]
-    if not any(r["label"] == "no disk" for r in out):
+    if "disk" in rows and not uses_disk:
         out.append({**full, "label": "no disk", "same_run_as": "all optimizations",
                     "note": "the full system's policy uses no disk"})
     return out
@@ -314,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--offload-dir", default=None)
-    ap.add_argument("--ablations", action="store_true")
+    ap.add_argument("--ablations", nargs="?", const=",".join(ABLATIONS), default=None, metavar="ROWS",
+                    help=f"the full system and each optimization off in turn; ROWS picks some of {','.join(ABLATIONS)}")
     ap.add_argument("--frontier", default=None, help="shapes, e.g. 1x1,8x1,32x1,32x2,48x2")
     ap.add_argument("--baseline", type=int, default=None, metavar="BATCH", help="Accelerate baseline batch size")
     ap.add_argument("--smoke", action="store_true", help="tiny models on the CPU, the whole suite")
@@ -330,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         return smoke(args.out)
     if args.replot:
         return replot(args.replot, args.out)
+    if args.ablations and (unknown := set(args.ablations.split(",")) - set(ABLATIONS)):
+        raise SystemExit(f"--ablations: unknown rows {sorted(unknown)}; choose from {','.join(ABLATIONS)}")
     deadline = time.time() + args.time_budget if args.time_budget else float("inf")
     models = args.model or ["dummy:opt-6.7b"]
     records: list[dict[str, Any]] = []
@@ -363,7 +372,7 @@ def sweep(bench: Bench, args: argparse.Namespace, model: str, s: int, n: int) ->
         if r is not None:
             out.append(r)
     if args.ablations:
-        out += ablations(bench, s, n)
+        out += ablations(bench, s, n, args.ablations.split(","))
     if args.frontier:
         shapes = [tuple(int(v) for v in x.split("x")) for x in args.frontier.split(",")]
         frontier(bench, s, n, shapes)

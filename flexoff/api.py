@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from flexoff.checkpoint import LoadedModel, load_model
-from flexoff.errors import FlexoffError, GpuOutOfMemoryError, InputError
+from flexoff.errors import FlexoffError, GpuOutOfMemoryError, InputError, MemoryBudgetError
 from flexoff.generation import Completion, Request, RunStats, plan_blocks, run_block
 from flexoff.offload.engine import Engine
 from flexoff.offload.tiers import Budgets, Tiers
@@ -181,7 +181,8 @@ class LLM:
     def engine_for(self, policy: Policy, max_prompt: int, max_gen: int) -> Engine:
         """An engine for this policy and these sizes. Weights stay resident between engines:
         kept as they are when the new policy places them the same way, otherwise moved layer by
-        layer to the new placement (never two full copies), and read from the checkpoint once."""
+        layer to the new placement (never two full copies; the plan counts the old layers not yet
+        moved), or read from the checkpoint again where moving would not fit the budgets."""
         from flexoff.quant.engine import formats
 
         e = self.engine
@@ -206,10 +207,21 @@ class LLM:
                 self.weights = old = None
             else:
                 old.release_slots()
-        engine = Engine(m.family, m.spec, policy, device=self.device, dtype=self.dtype,
-                        max_prompt=max_prompt, max_gen=max_gen, offload_dir=self.options.offload_dir,
-                        budgets=self.options.budgets, weight_format=fmt, kv_codec=codec, tiers=self.tiers,
-                        weights=old if reuse else None, credit=self._credit(old))
+
+        def build(old: Any) -> Engine:
+            return Engine(m.family, m.spec, policy, device=self.device, dtype=self.dtype,
+                          max_prompt=max_prompt, max_gen=max_gen, offload_dir=self.options.offload_dir,
+                          budgets=self.options.budgets, weight_format=fmt, kv_codec=codec, tiers=self.tiers,
+                          weights=old if reuse else None, credit=self._credit(old),
+                          moving=old.splits if old is not None and not reuse else None)
+        try:
+            engine = build(old)
+        except MemoryBudgetError:
+            if old is None or reuse:
+                raise
+            old.release()  # moving would hold both copies for a while: read the weights again instead
+            self.weights = old = None
+            engine = build(old)
         if not reuse:
             try:
                 self._place_weights(engine.detach_weights(), old)

@@ -31,9 +31,10 @@ from flexoff.offload.lanes import Event, Lanes
 from flexoff.offload.layout import Layout, PlainFormat, WeightFormat
 from flexoff.offload.memory import HOST_IO_SETS, MemoryPlan, check, plan_memory
 from flexoff.offload.mover import Mover
+from flexoff.offload.placement import ByteSplit
 from flexoff.offload.schedule import Step, zigzag
 from flexoff.offload.tiers import Budgets, Ledger, Tiers
-from flexoff.offload.weights import WeightStore
+from flexoff.offload.weights import WeightStore, move_overhead, plan_weights
 from flexoff.policy.policy import Policy
 
 Sampler = Callable[[torch.Tensor, int, int], torch.Tensor]  # (logits (n, V), batch, step) -> ids (n,)
@@ -211,7 +212,8 @@ class Engine:
                  dtype: torch.dtype, max_prompt: int, max_gen: int, offload_dir: str | None = None,
                  budgets: Budgets | None = None, weight_format: WeightFormat | None = None,
                  kv_codec: KVCodec | None = None, tiers: Tiers | None = None,
-                 weights: WeightStore | None = None, credit: dict[str, int] | None = None):
+                 weights: WeightStore | None = None, credit: dict[str, int] | None = None,
+                 moving: list[ByteSplit] | None = None):
         self.fam, self.spec, self.policy, self.device, self.dtype = family, spec, policy, device, dtype
         self.max_prompt, self.max_gen = max_prompt, max_gen
         self.fmt = weight_format or PlainFormat(dtype)
@@ -219,6 +221,8 @@ class Engine:
         layouts = [Layout(self.fmt.fields(l)) for l in spec.layers]
         self.plan: MemoryPlan = plan_memory(spec, layouts, codec.rec_bytes, policy, max_prompt, max_gen,
                                             dtype, device.type == "cuda")
+        if moving:  # an older store's layers (their splits) move in: each stays until it has moved
+            self.plan.add("weights being moved", move_overhead(moving, plan_weights(layouts, policy)))
         # before anything is allocated; `credit` is memory already held that the plan counts
         check(self.plan, budgets or Budgets(), device, offload_dir, credit or {})
         self.lanes = Lanes(device)

@@ -19,7 +19,7 @@ from flexoff.models.base import LayerSpec, materialize
 from flexoff.offload.lanes import Event, Lanes, Tracked
 from flexoff.offload.layout import Layout, WeightFormat
 from flexoff.offload.mover import Mover, Span
-from flexoff.offload.placement import ByteSplit, byte_split
+from flexoff.offload.placement import TIERS, ByteSplit, byte_split
 from flexoff.offload.tiers import Ledger, Tiers
 from flexoff.policy.policy import Policy
 
@@ -45,6 +45,20 @@ def weight_bytes(splits: list[ByteSplit], slots: int = 2) -> dict[str, int]:
     return {"gpu": sum(s.a for s in splits) + slots * slot,
             "cpu": sum(s.bytes_on("cpu") for s in splits),
             "disk": sum(s.bytes_on("disk") for s in splits)}
+
+
+def move_overhead(old: list[ByteSplit], new: list[ByteSplit]) -> dict[str, int]:
+    """Bytes on each tier above the new store's layers while layers move to it one by one from an
+    old store (layer j's old buffers are given back before its new ones are made): the old copy
+    is still there for the layers not yet moved."""
+    out = {}
+    for t in TIERS:
+        held = peak = sum(s.bytes_on(t) for s in old)  # before layer 0 moves
+        for o, n in zip(old, new):
+            held += n.bytes_on(t) - o.bytes_on(t)
+            peak = max(peak, held)
+        out[t] = max(0, peak - held)  # held: the new layers alone, once all have moved
+    return out
 
 
 class _Slot:

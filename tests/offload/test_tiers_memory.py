@@ -220,3 +220,35 @@ def test_switching_policies_never_holds_both_engines_weight_slots(compressed_fir
             llm.generate([{"prompt_ids": q} for q in PROMPTS[:4]], max_new_tokens=3)
             plans.append(_allocated_gpu(llm.engine.plan))
         assert llm.tiers.gpu.peak <= max(plans), (llm.tiers.gpu.peak, plans)
+
+
+@pytest.mark.parametrize("room_to_move", [True, False])
+def test_moving_weights_counts_the_old_layers_until_they_have_moved(room_to_move):
+    """Exact weights on the CPU tier, then a 4-bit policy whose KV cache fills the CPU budget:
+    moving layer by layer holds the old layers not yet moved next to the new cache, so the
+    engine moves them only where that fits and otherwise reads the weights again; the CPU tier
+    never peaks above its budget, and the result is what a fresh load gives."""
+    from flexoff.autopolicy import engine_plan
+
+    first = Policy(gpu_batch_size=2, w_gpu_percent=0, w_cpu_percent=100)
+    second = Policy(gpu_batch_size=64, w_gpu_percent=0, w_cpu_percent=100, cache_gpu_percent=0,
+                    cache_cpu_percent=100, compress_weight=True)
+    prompts = [{"prompt_ids": PROMPTS[i % len(PROMPTS)]} for i in range(64)]
+    with LLM("dummy:llama-tiny") as probe:
+        plain = engine_plan(probe, first, 15, 3).total("cpu")
+        packed = engine_plan(probe, second, 15, 3).total("cpu")
+        probe.policy_arg = second
+        want = [c.token_ids for c in probe.generate(prompts, max_new_tokens=3).completions]
+    assert plain <= packed  # the first policy fits the tight budget too
+    budget = plain + packed if room_to_move else packed
+    with LLM("dummy:llama-tiny", cpu_mem=budget) as llm:
+        reads, layer = [], llm.model.source.layer
+        llm.model.source.layer = lambda j, *a: reads.append(j) or layer(j, *a)
+        llm.policy_arg = first
+        llm.generate(prompts[:5], max_new_tokens=3)
+        llm.policy_arg = second
+        got = [c.token_ids for c in llm.generate(prompts, max_new_tokens=3).completions]
+        assert llm.tiers.cpu.peak <= budget, (llm.tiers.cpu.peak, budget)
+        n = len(llm.model.spec.layers)
+        assert reads == list(range(n)) * (1 if room_to_move else 2)
+    assert got == want
