@@ -27,7 +27,7 @@ from flexoff.models.base import Family
 from flexoff.models.spec import ModelSpec
 from flexoff.offload.activations import HiddenStore
 from flexoff.offload.kvcache import KVCodec, KVStore, PlainKV
-from flexoff.offload.lanes import Event, Lanes
+from flexoff.offload.lanes import DONE, Event, Lanes
 from flexoff.offload.layout import Layout, PlainFormat, WeightFormat
 from flexoff.offload.memory import HOST_IO_SETS, MemoryPlan, check, plan_memory
 from flexoff.offload.mover import Mover
@@ -99,7 +99,9 @@ class _Pending:
 class _HostIO:
     """Pinned buffers and two streams of its own through which CPU attention receives q, k, v and
     returns its output (its own streams: never queued behind weight transfers). Two sets of
-    buffers, used by alternate calls, so one call's copies overlap the previous call's attention."""
+    buffers, used by alternate calls, so one call's copies overlap the previous call's attention.
+    The attention thread sends its output itself: it stages it in pinned memory and starts the
+    copy, and the compute stream waits for the copy (no other thread, no host wait for it)."""
 
     SETS = HOST_IO_SETS
 
@@ -107,11 +109,9 @@ class _HostIO:
         self.cuda, self.device, self.dtype = lanes.cuda, mem.device, dtype
         self.free: list[list[Event]] = [[] for _ in range(self.SETS)]  # when each set may be refilled
         self.next = 0
-        # Where the output is staged into pinned memory: on the output lane (the measured default),
-        # or with FLEXOFF_STAGE_OUT=attention on the attention lane, whose thread team is already
-        # running (an experiment: the output lane's copy may start an OpenMP team of its own next
-        # to attention's; see benchmarks/RESULTS.md)
-        self.stage_on_attention = os.environ.get("FLEXOFF_STAGE_OUT") == "attention"
+        # FLEXOFF_OUTPUT_LANE=1: the measured path before (a thread of its own stages the output,
+        # copies it and waits for the copy), kept only to be measured against in the same run
+        self.output_lane = os.environ.get("FLEXOFF_OUTPUT_LANE") == "1"
         if self.cuda:
             qn, kvn = rows * spec.num_heads * spec.head_dim, rows * spec.num_kv_heads * spec.head_dim
             self.bufs = [[mem.alloc("cpu", n * dtype.itemsize).view(dtype) for n in (qn, kvn, kvn, qn)]
@@ -136,22 +136,21 @@ class _HostIO:
             self.down.synchronize()
         return out
 
-    def stage_out(self, s: int, o: torch.Tensor) -> torch.Tensor:
-        """The attention output in set s's pinned buffer (a host copy)."""
+    def send(self, s: int, o: torch.Tensor, wait: bool = False) -> tuple[torch.Tensor, Event]:
+        """The output o on the device, through set s's pinned buffer, and the copy's event (the
+        compute stream waits for it); with wait, the calling thread waits for the copy instead."""
         if not self.cuda:
-            return o
+            return o, DONE
         h = self.bufs[s][3][:o.numel()].view(o.shape)
         h.copy_(o)
-        return h
-
-    def to_device(self, h: torch.Tensor) -> torch.Tensor:
-        """A pinned output on the device (a DMA copy)."""
-        if not self.cuda:
-            return h
         with torch.cuda.stream(self.up):
             d = h.to(self.device, non_blocking=True)
-            self.up.synchronize()
-        return d
+            if wait:
+                self.up.synchronize()
+                return d, DONE
+            ev = torch.cuda.Event()
+            ev.record(self.up)
+        return d, Event(cuda=ev)
 
 
 class _Clock:
@@ -421,10 +420,10 @@ class Engine:
         t = st.S + i - 1  # position of the new token
         mask = st.valid[:, None, :t + 1]
         outs: list[Any] = []
-        cpu_ev: Event | None = None
+        cpu: tuple[Event, dict[str, torch.Tensor]] | None = None
         for tier, r0, r1 in kv.segments(st.n):
             if tier == "cpu" and kv.cpu_compute:
-                cpu_ev = self._cpu_attention(li, k, st, q[r0:r1], kk[r0:r1], vv[r0:r1], r0, r1, t)
+                cpu = self._cpu_attention(li, k, st, q[r0:r1], kk[r0:r1], vv[r0:r1], r0, r1, t)
                 outs.append(None)
                 continue
             buf, deps = kv.device_buffer(li, k, st.n, tier, t)
@@ -437,23 +436,24 @@ class Engine:
         kv.release(li, k)
 
         def finish() -> None:
-            if cpu_ev is not None:
-                o_cpu = cpu_ev.result()
+            if cpu is not None:
+                ev, box = cpu
+                self.lanes.compute.wait([ev])  # the host for the attention, the stream for its copy
                 if self.lanes.cuda:
-                    o_cpu.record_stream(self.lanes.compute.stream)
-                outs[outs.index(None)] = o_cpu
+                    box["o"].record_stream(self.lanes.compute.stream)
+                outs[outs.index(None)] = box["o"]
             o = outs[0] if len(outs) == 1 else torch.cat(outs)
             self._finish_layer(j, k, fam.attn_out(w, h, o))
 
-        if cpu_ev is None:
+        if cpu is None:
             finish()
             return None
         return _Pending(k, finish)
 
-    def _cpu_attention(self, li: int, kb: int, st: _Batch, q: torch.Tensor, k: torch.Tensor,
-                       v: torch.Tensor, r0: int, r1: int, t: int) -> Event:
-        """Decode attention for CPU-resident rows on the CPU lane; resolves to the output
-        (rows, heads, 1, d) on the compute device."""
+    def _cpu_attention(self, li: int, kb: int, st: _Batch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       r0: int, r1: int, t: int) -> tuple[Event, dict[str, torch.Tensor]]:
+        """Decode attention for CPU-resident rows on the CPU lane: an event for its output
+        (rows, heads, 1, d) on the compute device, which is box["o"] once the event resolves."""
         seg, codec, io, kv = self.kv.homes[li][kb]["cpu"], self.kv.cpu_codec, self.host_io, self.kv
         rows, scale, timing = r1 - r0, self.fam.scale, self.timing
         mask = st.valid_host[r0:r1, None, :t + 1]
@@ -467,7 +467,7 @@ class Engine:
             timing["cpu_attention_down_s"] += time.perf_counter() - t0
             return out
 
-        def attention() -> torch.Tensor:
+        def attention() -> Event:
             if threads and torch.get_num_threads() != threads:  # per thread: set on the lane's own
                 torch.set_num_threads(threads)
             t0 = time.perf_counter()
@@ -482,30 +482,33 @@ class Engine:
             else:
                 codec.write(seg.buf, rows, t, kh, vh)
                 o = attend(qh, *codec.read(seg.buf, rows, t + 1), mask, scale)
-            if io.stage_on_attention:
-                o = io.stage_out(buf, o)
-            timing["cpu_attention_compute_s"] += time.perf_counter() - t0
+            t1 = time.perf_counter()
+            timing["cpu_attention_compute_s"] += t1 - t0
             timing["cpu_attention_calls"] += 1
-            return o
+            if io.output_lane:
+                box["o"] = o
+                return DONE
+            box["o"], sent = io.send(buf, o)
+            timing["cpu_attention_up_s"] += time.perf_counter() - t1
+            return sent
 
-        def up() -> torch.Tensor:
+        def up() -> None:  # FLEXOFF_OUTPUT_LANE=1 only
             t0 = time.perf_counter()
-            o = done.result()
-            out = io.to_device(o if io.stage_on_attention else io.stage_out(buf, o))
+            box["o"] = io.send(buf, box["o"], wait=True)[0]
             timing["cpu_attention_up_s"] += time.perf_counter() - t0
-            return out
 
-        # three lanes, so a call's copies overlap the attention of the call before it
+        # the down and attention lanes: a call's input copies overlap the attention of the call
+        # before it; `done` resolves to the output copy's event
+        box: dict[str, torch.Tensor] = {}
         self.cpu_attention_bytes += rows * (t + 1) * self.kv.codec.rec_bytes
         got = lanes.cpu_down.run(down, [lanes.compute.mark()] + free)
         done = lanes.cpu.run(attention, [got] + seg.track.claim())
         seg.track.wrote(done)
         seg.track.tag = t + 1
-        sent = lanes.cpu_up.run(up, [done])
-        # the set's q, k, v buffers are read once attention is done; staged on the attention lane,
-        # its output buffer is free again only once sent (the output lane alone touches it otherwise)
-        io.free[buf] = [done, sent] if io.stage_on_attention else [done]
-        return sent
+        if io.output_lane:
+            done = lanes.cpu_up.run(up, [done])
+        io.free[buf] = [done]  # its q, k, v read and its output copied
+        return done, box
 
     def _prompt_logprobs(self, w: Mapping[str, Any], h: torch.Tensor, st: _Batch) -> torch.Tensor:
         """Log-probability of each prompt token given the ones before it: (n, S-1)."""

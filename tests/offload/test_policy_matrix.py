@@ -43,10 +43,10 @@ def test_covering_matrix_on_smollm2(smol, smol_hf):
         smol.close()
 
 
-def test_cpu_attention_with_its_output_staged_on_the_attention_lane(tiny, tiny_refs, monkeypatch):
-    """The experiment FLEXOFF_STAGE_OUT=attention (buffer sets also wait for their output to be
-    sent) gives the reference's tokens for every CPU-attention policy of the matrix."""
-    monkeypatch.setenv("FLEXOFF_STAGE_OUT", "attention")
+def test_cpu_attention_with_its_output_sent_on_a_lane_of_its_own(tiny, tiny_refs, monkeypatch):
+    """The path measured against, FLEXOFF_OUTPUT_LANE=1 (a thread of its own sends CPU
+    attention's output), gives the reference's tokens for every CPU-attention policy of the matrix."""
+    monkeypatch.setenv("FLEXOFF_OUTPUT_LANE", "1")
     want = [r for r, _ in tiny_refs["llama"]]
     policies = [p for p in FULL if p.cpu_cache_compute]
     assert policies
@@ -55,5 +55,5 @@ def test_cpu_attention_with_its_output_staged_on_the_attention_lane(tiny, tiny_r
             llm.policy_arg = p
             got = [c.token_ids for c in llm.generate([{"prompt_ids": q} for q in PROMPTS],
                                                        max_new_tokens=8).completions]
-            assert llm.engine.host_io.stage_on_attention
+            assert llm.engine.host_io.output_lane
             assert got == want, p.describe()
