@@ -12,12 +12,11 @@
 #                                                   # one run (for their ratios; about 9 minutes)
 #   PHASE=F bash benchmarks/device_measure.sh OUT   # auto and two hand policies without compression,
 #                                                   # then the Accelerate baseline, in one run
-#   PHASE=I bash benchmarks/device_measure.sh OUT   # GPU tests; CPU attention sending its output itself
-#                                                   # against its own output lane; auto and 24x2
-#   PHASE=G bash benchmarks/device_measure.sh OUT   # GPU tests; the host's time per engine step; the
-#                                                   # 3-4 GPU batch CPU-attention shapes with CPU
-#                                                   # attention's output staged on either lane; auto+c
+#   PHASE=I bash benchmarks/device_measure.sh OUT   # GPU tests; 3-4 GPU batch CPU-attention shapes;
+#                                                   # auto and the best hand policy (24x2) in one run
+#   PHASE=G bash benchmarks/device_measure.sh OUT   # GPU tests; the host's time per engine step; auto+c
 #                                                   # searched and predicted with the host step
+#   PHASE=T bash benchmarks/device_measure.sh OUT   # GPU tests only
 #   PHASE=E bash benchmarks/device_measure.sh OUT   # GPU tests; CPU-attention shapes; timelines of a
 #                                                   # CPU-attention and the compressed policy
 # Predictions use benchmarks/data/h200-measured.json (flexoff profile on the device, with CPU attention
@@ -83,16 +82,24 @@ case "${PHASE:-A}" in
   F) timeout 585 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW --policy auto \
        --policy "24x3:0,100,0,100,100,0:a" --policy "8x1:22.7,77.3,0,100,100,0:a" --time-budget 230 --baseline 8 \
        --out "$OUT" 2>&1 | grep -v "^\s*$" | grep -v "^---" ;;
+  G) echo "=== gpu tests ($(date +%T))"
+     timeout 180 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
+     echo "=== host time per engine step ($(date +%T))"  # h200-measured.json plus this machine's host_step_s
+     python3 -c "import json, sys, torch; from flexoff.policy.hardware import host_step; \
+       d = json.load(open('$HW')); d['host_step_s'] = host_step(torch.device('cuda')); \
+       json.dump(d, open('$OUT/hw-host-step.json', 'w'), indent=2); print('host_step_s', d['host_step_s'])"
+     echo "=== opt-30b ($(date +%T))"
+     timeout 180 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware "$OUT/hw-host-step.json" \
+       --policy auto+c --out "$OUT" 2>&1 | grep -v "^\s*$" | grep -v "^---" ;;
   I) echo "=== gpu tests ($(date +%T))"
      timeout 120 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
-     echo "=== opt-30b: CPU attention sends its output; auto against the best hand policy ($(date +%T))"
+     echo "=== opt-30b: 3-4 GPU batch CPU-attention shapes; auto against the best hand policy ($(date +%T))"
      timeout 340 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW \
        --policy "16x3:0,100,0,100,100,0:a" --policy "8x4:0,100,0,100,100,0:a" --policy auto \
        --policy "24x2:0,100,0,100,100,0:a" --out "$OUT/send" 2>&1 | grep -v "^\s*$" | grep -v "^---" | tail -5
-     echo "=== the same, the output on a lane of its own, as before ($(date +%T))"
-     FLEXOFF_OUTPUT_LANE=1 timeout 125 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB \
-       --hardware $HW --policy "16x3:0,100,0,100,100,0:a" --out "$OUT/lane" 2>&1 | grep -v "^\s*$" | tail -2
      rm -f "$OUT"/*/throughput.jsonl ;;
+  T) echo "=== gpu tests ($(date +%T))"
+     timeout 180 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log" ;;
   E) echo "=== gpu tests ($(date +%T))"
      timeout 180 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
      echo "=== opt-30b, weights and cache on CPU ($(date +%T))"

@@ -109,9 +109,6 @@ class _HostIO:
         self.cuda, self.device, self.dtype = lanes.cuda, mem.device, dtype
         self.free: list[list[Event]] = [[] for _ in range(self.SETS)]  # when each set may be refilled
         self.next = 0
-        # FLEXOFF_OUTPUT_LANE=1: the measured path before (a thread of its own stages the output,
-        # copies it and waits for the copy), kept only to be measured against in the same run
-        self.output_lane = os.environ.get("FLEXOFF_OUTPUT_LANE") == "1"
         if self.cuda:
             qn, kvn = rows * spec.num_heads * spec.head_dim, rows * spec.num_kv_heads * spec.head_dim
             self.bufs = [[mem.alloc("cpu", n * dtype.itemsize).view(dtype) for n in (qn, kvn, kvn, qn)]
@@ -136,18 +133,15 @@ class _HostIO:
             self.down.synchronize()
         return out
 
-    def send(self, s: int, o: torch.Tensor, wait: bool = False) -> tuple[torch.Tensor, Event]:
+    def send(self, s: int, o: torch.Tensor) -> tuple[torch.Tensor, Event]:
         """The output o on the device, through set s's pinned buffer, and the copy's event (the
-        compute stream waits for it); with wait, the calling thread waits for the copy instead."""
+        compute stream waits for it, not the host)."""
         if not self.cuda:
             return o, DONE
         h = self.bufs[s][3][:o.numel()].view(o.shape)
         h.copy_(o)
         with torch.cuda.stream(self.up):
             d = h.to(self.device, non_blocking=True)
-            if wait:
-                self.up.synchronize()
-                return d, DONE
             ev = torch.cuda.Event()
             ev.record(self.up)
         return d, Event(cuda=ev)
@@ -485,17 +479,9 @@ class Engine:
             t1 = time.perf_counter()
             timing["cpu_attention_compute_s"] += t1 - t0
             timing["cpu_attention_calls"] += 1
-            if io.output_lane:
-                box["o"] = o
-                return DONE
             box["o"], sent = io.send(buf, o)
             timing["cpu_attention_up_s"] += time.perf_counter() - t1
             return sent
-
-        def up() -> None:  # FLEXOFF_OUTPUT_LANE=1 only
-            t0 = time.perf_counter()
-            box["o"] = io.send(buf, box["o"], wait=True)[0]
-            timing["cpu_attention_up_s"] += time.perf_counter() - t0
 
         # the down and attention lanes: a call's input copies overlap the attention of the call
         # before it; `done` resolves to the output copy's event
@@ -505,8 +491,6 @@ class Engine:
         done = lanes.cpu.run(attention, [got] + seg.track.claim())
         seg.track.wrote(done)
         seg.track.tag = t + 1
-        if io.output_lane:
-            done = lanes.cpu_up.run(up, [done])
         io.free[buf] = [done]  # its q, k, v read and its output copied
         return done, box
 

@@ -155,7 +155,7 @@ class ComputeLane:
 
 class Lanes:
     """All lanes of one engine: compute, load (toward compute), store (away from it), disk read,
-    disk write, CPU attention with a lane each for its inputs and its output, and (CUDA) the
+    disk write, CPU attention and a lane for its inputs (its thread sends its output), and (CUDA) the
     feed that paces large copies onto the load stream."""
 
     def __init__(self, device: torch.device):
@@ -168,7 +168,6 @@ class Lanes:
         self.disk_write = ThreadLane("disk-write")
         self.cpu = ThreadLane("cpu-attention")
         self.cpu_down = ThreadLane("cpu-attention-in")  # q, k, v to the host for CPU attention
-        self.cpu_up = ThreadLane("cpu-attention-out")  # its output back
         # paces large host-to-device copies onto the load stream (see Mover); CUDA only
         self.feed: ThreadLane | None = ThreadLane("feed") if self.cuda else None
 
@@ -182,7 +181,7 @@ class Lanes:
         return out
 
     def _all(self) -> list:
-        return [self.load, self.store, self.disk_read, self.disk_write, self.cpu_down, self.cpu, self.cpu_up] \
+        return [self.load, self.store, self.disk_read, self.disk_write, self.cpu_down, self.cpu] \
             + ([self.feed] if self.feed else [])
 
     def sync(self) -> None:

@@ -41,19 +41,3 @@ def test_covering_matrix_on_smollm2(smol, smol_hf):
     finally:
         smol.policy_arg = saved
         smol.close()
-
-
-def test_cpu_attention_with_its_output_sent_on_a_lane_of_its_own(tiny, tiny_refs, monkeypatch):
-    """The path measured against, FLEXOFF_OUTPUT_LANE=1 (a thread of its own sends CPU
-    attention's output), gives the reference's tokens for every CPU-attention policy of the matrix."""
-    monkeypatch.setenv("FLEXOFF_OUTPUT_LANE", "1")
-    want = [r for r, _ in tiny_refs["llama"]]
-    policies = [p for p in FULL if p.cpu_cache_compute]
-    assert policies
-    with LLM(str(tiny["llama"].path)) as llm:
-        for p in policies:
-            llm.policy_arg = p
-            got = [c.token_ids for c in llm.generate([{"prompt_ids": q} for q in PROMPTS],
-                                                       max_new_tokens=8).completions]
-            assert llm.engine.host_io.output_lane
-            assert got == want, p.describe()
