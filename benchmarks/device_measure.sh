@@ -97,10 +97,6 @@ case "${PHASE:-A}" in
      timeout 340 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW \
        --policy "16x3:0,100,0,100,100,0:a" --policy "8x4:0,100,0,100,100,0:a" --policy auto \
        --policy "24x2:0,100,0,100,100,0:a" --out "$OUT/send" 2>&1 | grep -v "^\s*$" | grep -v "^---" | tail -5
-     echo "=== the schedule before: each CPU attention call finished after the next step ($(date +%T))"
-     FLEXOFF_FINISH=eager timeout 190 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB \
-       --hardware $HW --policy "16x3:0,100,0,100,100,0:a" --policy "8x4:0,100,0,100,100,0:a" --out "$OUT/eager" \
-       2>&1 | grep -v "^\s*$" | tail -3
      rm -f "$OUT"/*/throughput.jsonl ;;
   T) echo "=== gpu tests ($(date +%T))"
      timeout 180 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log" ;;

@@ -17,7 +17,6 @@ import os
 import resource
 import sys
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
@@ -40,9 +39,6 @@ from flexoff.policy.policy import Policy
 
 Sampler = Callable[[torch.Tensor, int, int], torch.Tensor]  # (logits (n, V), batch, step) -> ids (n,)
 OnTokens = Callable[[int, list[torch.Tensor]], bool]  # (step, host ids per batch) -> stop?
-# FLEXOFF_FINISH=eager: the schedule before 2026-11-21's fourth session (each CPU attention call
-# finished right after the next step), kept only to be measured against in the same run
-EAGER_FINISH = os.environ.get("FLEXOFF_FINISH") == "eager"
 SWITCH_INTERVAL = 2e-4  # seconds; Python's default is 5e-3
 
 
@@ -96,8 +92,7 @@ class _Batch:
 
 @dataclass
 class _Pending:
-    k: int  # the GPU batch
-    j: int  # the layer
+    k: int
     finish: Callable[[], None]
 
 
@@ -310,42 +305,36 @@ class Engine:
         pin = self.device.type == "cuda"
         states = [_Batch(b, gen_len, self.device, pin) for b in batches]
         clock = _Clock(self, states, on_tokens)
-        pending: deque[_Pending] = deque()  # CPU attention calls in flight, oldest first
+        pending: _Pending | None = None
         if p.overlap:
             self.weights.prefetch(0)
         three_slots = len(self.weights.slots) >= 3
-        # with three slots weights are prefetched two layers ahead, into the slot of the layer
-        # before this one: issued from the `at`-th batch on, once no call of that layer is in flight
+        # with three slots weights are prefetched two layers ahead, issued once the layer before
+        # this one has finished for every batch (its slot is the one reused)
         ahead, at = (2, min(1, K - 1)) if three_slots else (1, 0)
-        ahead_done = (-1, -1)
         for step, nxt in zigzag(gen_len, L, K):
             i, j, k = step
-            # a call is finished (its output projection issued) only when its batch's next layer
-            # needs it, so the CPU lane keeps the calls after it queued meanwhile; with two weight
-            # slots, every call before a new layer's weights take the slot of the layer they read
-            self._finish_through(pending, k, everything=k == 0 and not three_slots)
+            # the same batch's data; or, with two weight slots, the slot the prefetch will reuse
+            if pending is not None and (pending.k == k or (k == 0 and not three_slots)):
+                self._finish(pending)
+                pending = None
             if p.overlap:
-                now = k >= at and ahead_done != (i, j) and all(c.j == j for c in pending)
-                self._prefetch(step, nxt, states, gen_len, ahead if now else 0)
-                ahead_done = (i, j) if now else ahead_done
+                self._prefetch(step, nxt, states, gen_len, ahead if k == at else 0)
             cont = self._compute(step, states[k])
-            if EAGER_FINISH:  # the schedule before: every call but this step's finished now
-                while pending:
-                    self._finish(pending.popleft())
-            if cont is not None:
-                pending.append(cont)
-            if p.overlap and nxt is not None and nxt.k != k and not self.hidden.all_gpu:
-                # the next batch's input is loaded while this batch computes: finish its call
-                if self._finish_through(pending, nxt.k):
-                    self._prefetch_hidden(step, nxt)
+            if pending is not None:
+                self._finish(pending)
+                if p.overlap:
+                    self._prefetch_hidden(step, nxt)  # its input may have been pending
+            pending = cont
             if not p.overlap:
-                while pending:
-                    self._finish(pending.popleft())
+                if pending is not None:
+                    self._finish(pending)
+                    pending = None
                 self.lanes.sync()
             if j == L - 1 and k == K - 1 and clock.token_step_done(i):
                 break
-        while pending:
-            self._finish(pending.popleft())
+        if pending is not None:
+            self._finish(pending)
         return clock.finish(states)
 
     def traffic(self) -> dict[str, float]:
@@ -354,14 +343,6 @@ class Engine:
         with the engine's host-to-device copies (CUDA)."""
         return {**self.mover.traffic, "cpu_attention": self.cpu_attention_bytes, **self.timing,
                 "h2d_busy_s": self.mover.link_seconds()}
-
-    def _finish_through(self, pending: deque[_Pending], k: int, everything: bool = False) -> bool:
-        """Finish the calls in flight, oldest first, up to batch k's (all, with everything);
-        whether any was."""
-        last = len(pending) - 1 if everything else max((n for n, c in enumerate(pending) if c.k == k), default=-1)
-        for _ in range(last + 1):
-            self._finish(pending.popleft())
-        return last >= 0
 
     def _finish(self, pending: _Pending) -> None:
         t0 = time.perf_counter()
@@ -461,7 +442,7 @@ class Engine:
         if cpu is None:
             finish()
             return None
-        return _Pending(k, j, finish)
+        return _Pending(k, finish)
 
     def _cpu_attention(self, li: int, kb: int, st: _Batch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        r0: int, r1: int, t: int) -> tuple[Event, dict[str, torch.Tensor]]:
