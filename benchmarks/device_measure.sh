@@ -7,9 +7,9 @@
 #   PHASE=B bash benchmarks/device_measure.sh OUT   # ablations, every row in one run (about 9 minutes)
 #   PHASE=H bash benchmarks/device_measure.sh OUT   # the latency-throughput frontier over small blocks
 #   PHASE=C bash benchmarks/device_measure.sh OUT   # eval run on OPT-30B (about 4 minutes)
-#   PHASE=D bash benchmarks/device_measure.sh OUT   # the full system, auto without compression, the
-#                                                   # best hand policy and the Accelerate baseline in
-#                                                   # one run (for their ratios; about 9 minutes)
+#   PHASE=D bash benchmarks/device_measure.sh OUT   # the full system, auto without compression and
+#                                                   # the Accelerate baseline in one run (for their
+#                                                   # ratios; about 8 minutes)
 #   PHASE=F bash benchmarks/device_measure.sh OUT   # auto and two hand policies without compression,
 #                                                   # then the Accelerate baseline, in one run
 #   PHASE=I bash benchmarks/device_measure.sh OUT   # GPU tests; 3-4 GPU batch CPU-attention shapes;
@@ -77,7 +77,7 @@ case "${PHASE:-A}" in
        --gpu-mem 16GiB --cpu-mem 100GiB --policy "16x24:0,100,12.5,87.5,0,100:wk" --out "$OUT" 2>&1 | grep -v "^\s*$" | tail -16
      rm -f "$OUT/trace.json.gz" ;;
   D) timeout 585 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW --policy auto+c \
-       --policy auto --policy "24x2:0,100,0,100,100,0:a" --time-budget 300 --baseline 8 --out "$OUT" 2>&1 \
+       --policy auto --time-budget 300 --baseline 8 --out "$OUT" 2>&1 \
        | grep -v "^\s*$" | grep -v "^---" ;;
   F) timeout 585 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW --policy auto \
        --policy "24x3:0,100,0,100,100,0:a" --policy "8x1:22.7,77.3,0,100,100,0:a" --time-budget 230 --baseline 8 \
