@@ -337,8 +337,10 @@ def main(argv: list[str] | None = None) -> int:
         return smoke(args.out)
     if args.replot:
         return replot(args.replot, args.out)
-    if args.ablations and (unknown := set(args.ablations.split(",")) - set(ABLATIONS)):
-        raise SystemExit(f"--ablations: unknown rows {sorted(unknown)}; choose from {','.join(ABLATIONS)}")
+    if args.ablations:
+        args.ablations = args.ablations.split(",")
+        if unknown := set(args.ablations) - set(ABLATIONS):
+            raise SystemExit(f"--ablations: unknown rows {sorted(unknown)}; choose from {','.join(ABLATIONS)}")
     deadline = time.time() + args.time_budget if args.time_budget else float("inf")
     models = args.model or ["dummy:opt-6.7b"]
     records: list[dict[str, Any]] = []
@@ -372,7 +374,7 @@ def sweep(bench: Bench, args: argparse.Namespace, model: str, s: int, n: int) ->
         if r is not None:
             out.append(r)
     if args.ablations:
-        out += ablations(bench, s, n, args.ablations.split(","))
+        out += ablations(bench, s, n, args.ablations)
     if args.frontier:
         shapes = [tuple(int(v) for v in x.split("x")) for x in args.frontier.split(",")]
         frontier(bench, s, n, shapes)

@@ -454,6 +454,7 @@ class Engine:
         cap = kv.split["cpu"]
         threads = self._cpu_threads
         lanes, buf, free = self.lanes, *io.take()
+        box: dict[str, torch.Tensor] = {}  # the output on the device, put there by attention()
 
         def down() -> list[torch.Tensor]:
             t0 = time.perf_counter()
@@ -485,7 +486,6 @@ class Engine:
 
         # the down and attention lanes: a call's input copies overlap the attention of the call
         # before it; `done` resolves to the output copy's event
-        box: dict[str, torch.Tensor] = {}
         self.cpu_attention_bytes += rows * (t + 1) * self.kv.codec.rec_bytes
         got = lanes.cpu_down.run(down, [lanes.compute.mark()] + free)
         done = lanes.cpu.run(attention, [got] + seg.track.claim())
