@@ -16,6 +16,7 @@
 #                                                   # auto and the best hand policy (24x2) in one run
 #   PHASE=G bash benchmarks/device_measure.sh OUT   # GPU tests; the host's time per engine step; auto+c
 #                                                   # searched and predicted with the host step
+#   PHASE=S bash benchmarks/device_measure.sh OUT   # GPU tests; 16x3 and 8x4 with three and four weight slots
 #   PHASE=T bash benchmarks/device_measure.sh OUT   # GPU tests only
 #   PHASE=E bash benchmarks/device_measure.sh OUT   # GPU tests; CPU-attention shapes; timelines of a
 #                                                   # CPU-attention and the compressed policy
@@ -97,6 +98,15 @@ case "${PHASE:-A}" in
      timeout 340 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW \
        --policy "16x3:0,100,0,100,100,0:a" --policy "8x4:0,100,0,100,100,0:a" --policy auto \
        --policy "24x2:0,100,0,100,100,0:a" --out "$OUT/send" 2>&1 | grep -v "^\s*$" | grep -v "^---" | tail -5
+     rm -f "$OUT"/*/throughput.jsonl ;;
+  S) echo "=== gpu tests ($(date +%T))"
+     timeout 120 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
+     for slots in 3 4; do  # 3-4 GPU batch CPU-attention shapes with three and four weight slots
+       echo "=== opt-30b, $slots weight slots ($(date +%T))"
+       FLEXOFF_WEIGHT_SLOTS=$slots timeout 240 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB \
+         --hardware $HW --policy "16x3:0,100,0,100,100,0:a" --policy "8x4:0,100,0,100,100,0:a" \
+         --out "$OUT/slots$slots" 2>&1 | grep -v "^\s*$" | grep -v "^---" | tail -3
+     done
      rm -f "$OUT"/*/throughput.jsonl ;;
   T) echo "=== gpu tests ($(date +%T))"
      timeout 180 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log" ;;

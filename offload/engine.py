@@ -236,7 +236,9 @@ class Engine:
         self._cpu_threads = cpu_attention_threads() if self.lanes.cuda and policy.cpu_cache_compute else 0
         self.cpu_attention_bytes = 0
         self.timing = {"wait_cpu_attention_s": 0.0, "cpu_attention_compute_s": 0.0, "cpu_attention_down_s": 0.0,
-                       "cpu_attention_up_s": 0.0, "cpu_attention_calls": 0}
+                       "cpu_attention_up_s": 0.0, "cpu_attention_calls": 0,
+                       "cpu_attention_idle_layer_s": 0.0, "cpu_attention_idle_batch_s": 0.0}
+        self._cpu_free_at: float | None = None  # when the CPU attention lane last finished a call
 
     # ---- setup ---------------------------------------------------------
     def load_weights(self, layers: Iterable[tuple[int, Mapping[str, torch.Tensor]]]) -> None:
@@ -308,14 +310,16 @@ class Engine:
         pending: _Pending | None = None
         if p.overlap:
             self.weights.prefetch(0)
-        three_slots = len(self.weights.slots) >= 3
-        # with three slots weights are prefetched two layers ahead, issued once the layer before
-        # this one has finished for every batch (its slot is the one reused)
-        ahead, at = (2, min(1, K - 1)) if three_slots else (1, 0)
+        slots = len(self.weights.slots)
+        deep = slots >= 3
+        # with three or more slots weights are prefetched slots - 1 layers ahead, issued once the
+        # layer before this one has finished for every batch (its slot is the one reused)
+        ahead, at = (slots - 1, min(1, K - 1)) if deep else (1, 0)
+        self._cpu_free_at = None
         for step, nxt in zigzag(gen_len, L, K):
             i, j, k = step
             # the same batch's data; or, with two weight slots, the slot the prefetch will reuse
-            if pending is not None and (pending.k == k or (k == 0 and not three_slots)):
+            if pending is not None and (pending.k == k or (k == 0 and not deep)):
                 self._finish(pending)
                 pending = None
             if p.overlap:
@@ -465,8 +469,11 @@ class Engine:
         def attention() -> Event:
             if threads and torch.get_num_threads() != threads:  # per thread: set on the lane's own
                 torch.set_num_threads(threads)
-            t0 = time.perf_counter()
             qh, kh, vh = got.result()
+            t0 = time.perf_counter()
+            if self._cpu_free_at is not None:  # the lane's idle time since its last call, by where
+                timing["cpu_attention_idle_layer_s" if kb == 0 else "cpu_attention_idle_batch_s"] += \
+                    t0 - self._cpu_free_at
             if kv.head_major:  # the prompt area, then the generated tokens so far
                 g = t - st.S
                 Kg, Vg = codec.generated(seg.buf, rows, cap)
@@ -481,7 +488,8 @@ class Engine:
             timing["cpu_attention_compute_s"] += t1 - t0
             timing["cpu_attention_calls"] += 1
             box["o"], sent = io.send(buf, o)
-            timing["cpu_attention_up_s"] += time.perf_counter() - t1
+            self._cpu_free_at = time.perf_counter()
+            timing["cpu_attention_up_s"] += self._cpu_free_at - t1
             return sent
 
         # the down and attention lanes: a call's input copies overlap the attention of the call

@@ -1,8 +1,8 @@
 """The weight store: every layer's weights on their tiers, staged through GPU slots.
 
-Knows: each layer's flat buffer split by bytes across GPU, CPU and disk; two
-GPU slots that the non-resident part of a layer is copied into (the next
-layer's copy overlaps the current layer's compute); which events a slot's
+Knows: each layer's flat buffer split by bytes across GPU, CPU and disk; GPU
+slots (two, or four with CPU attention) that the non-resident part of a layer
+is copied into (the next layers' copies overlap the current layer's compute); which events a slot's
 next writer must wait for. Weights are stored in a WeightFormat (plain or
 compressed) and rebuilt into compute-ready weights by it.
 Does not know: model math, KV cache, scheduling order (the engine calls
@@ -21,7 +21,7 @@ from flexoff.offload.layout import Layout, WeightFormat
 from flexoff.offload.mover import Mover, Span
 from flexoff.offload.placement import TIERS, ByteSplit, byte_split
 from flexoff.offload.tiers import Ledger, Tiers
-from flexoff.policy.policy import Policy
+from flexoff.policy.policy import Policy, weight_slots
 
 
 def plan_weights(layouts: list[Layout], policy: Policy) -> list[ByteSplit]:
@@ -34,9 +34,8 @@ def plan_weights(layouts: list[Layout], policy: Policy) -> list[ByteSplit]:
 
 
 def num_slots(policy: Policy) -> int:
-    """GPU slots layers are staged through: two (this layer and the next), three when CPU
-    attention may still be finishing the previous layer while the next one is prefetched."""
-    return 3 if policy.cpu_cache_compute else 2
+    """GPU slots layers are staged through (see policy.weight_slots)."""
+    return weight_slots(policy.cpu_cache_compute)
 
 
 def weight_bytes(splits: list[ByteSplit], slots: int = 2) -> dict[str, int]:

@@ -35,6 +35,7 @@ from typing import Any, Mapping
 
 from flexoff.models.spec import ModelSpec
 from flexoff.policy.hardware import Hardware
+from flexoff.policy.policy import weight_slots
 from flexoff.quant.sizes import kv_config, kv_record_bytes, layer_bytes, weight_config
 
 VARS = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd")
@@ -99,7 +100,7 @@ class CostModel:
         self.Q = spec.num_heads * spec.head_dim * eb  # query / attention output bytes per token
         self.W_total = sum(self.count[k] * self.W[k] for k in KINDS)
         self.W_max = max(self.W.values())
-        self.slots = 3 if choice.cpu_cache_compute else 2  # the engine's GPU weight slots
+        self.slots = weight_slots(choice.cpu_cache_compute)  # the engine's GPU weight slots
 
     # ---- time ----------------------------------------------------------
     def terms(self, x: Mapping[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
