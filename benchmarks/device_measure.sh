@@ -17,6 +17,7 @@
 #   PHASE=G bash benchmarks/device_measure.sh OUT   # GPU tests; the host's time per engine step; auto+c
 #                                                   # searched and predicted with the host step
 #   PHASE=S bash benchmarks/device_measure.sh OUT   # GPU tests; 16x3 and 8x4 with three and four weight slots
+#   PHASE=J bash benchmarks/device_measure.sh OUT   # 16x3 and 8x4: CPU attention eager, scripted, shorter switch interval
 #   PHASE=T bash benchmarks/device_measure.sh OUT   # GPU tests only
 #   PHASE=E bash benchmarks/device_measure.sh OUT   # GPU tests; CPU-attention shapes; timelines of a
 #                                                   # CPU-attention and the compressed policy
@@ -106,6 +107,14 @@ case "${PHASE:-A}" in
        FLEXOFF_WEIGHT_SLOTS=$slots timeout 240 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB \
          --hardware $HW --policy "16x3:0,100,0,100,100,0:a" --policy "8x4:0,100,0,100,100,0:a" \
          --out "$OUT/slots$slots" 2>&1 | grep -v "^\s*$" | grep -v "^---" | tail -3
+     done
+     rm -f "$OUT"/*/throughput.jsonl ;;
+  J) for v in eager script script-5e-5; do  # CPU attention eager or scripted, and a shorter switch interval
+       echo "=== opt-30b, $v ($(date +%T))"
+       env $( [ $v = eager ] && echo FLEXOFF_EAGER_ATTENTION=1 ) $( [ $v = script-5e-5 ] && echo FLEXOFF_SWITCH_INTERVAL=5e-5 ) \
+         timeout 190 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB \
+         --hardware $HW --policy "16x3:0,100,0,100,100,0:a" --policy "8x4:0,100,0,100,100,0:a" \
+         --out "$OUT/$v" 2>&1 | grep -v "^\s*$" | grep -v "^---" | tail -3
      done
      rm -f "$OUT"/*/throughput.jsonl ;;
   T) echo "=== gpu tests ($(date +%T))"

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 
-from flexoff.models.attention import attend, attend_chunks, positions, prefill_mask
+from flexoff.models.attention import attend, attend_cached, positions, prefill_mask
 from flexoff.models.base import Family
 from flexoff.models.spec import ModelSpec
 from flexoff.offload.activations import HiddenStore
@@ -290,7 +290,7 @@ class Engine:
         # every 0.6 ms) and CPU attention's lanes many times a layer: a short switch interval
         # keeps them from waiting the default 5 ms for it (link gaps of 4-8 ms were measured)
         interval, threads = sys.getswitchinterval(), torch.get_num_threads()
-        sys.setswitchinterval(min(interval, SWITCH_INTERVAL))
+        sys.setswitchinterval(min(interval, float(os.environ.get("FLEXOFF_SWITCH_INTERVAL", SWITCH_INTERVAL))))  # EXPERIMENT
         try:
             return self._run(batches, gen_len, sampler, on_tokens, prompt_logprobs)
         finally:
@@ -475,12 +475,8 @@ class Engine:
                 timing["cpu_attention_idle_layer_s" if kb == 0 else "cpu_attention_idle_batch_s"] += \
                     t0 - self._cpu_free_at
             if kv.head_major:  # the prompt area, then the generated tokens so far
-                g = t - st.S
-                Kg, Vg = codec.generated(seg.buf, rows, cap)
-                Kg[:, :, g:g + 1] = kh
-                Vg[:, :, g:g + 1] = vh
-                o = attend_chunks(qh, [codec.prompt(seg.buf, rows, st.S), (Kg[:, :, :g + 1], Vg[:, :, :g + 1])],
-                                  mask, scale)
+                o = attend_cached(qh, codec.prompt(seg.buf, rows, st.S), codec.generated(seg.buf, rows, cap),
+                                  (kh, vh), t - st.S, mask, scale)
             else:
                 codec.write(seg.buf, rows, t, kh, vh)
                 o = attend(qh, *codec.read(seg.buf, rows, t + 1), mask, scale)
