@@ -18,6 +18,7 @@
 #                                                   # searched and predicted with the host step
 #   PHASE=S bash benchmarks/device_measure.sh OUT   # GPU tests; 16x3 and 8x4 with three and four weight slots
 #   PHASE=J bash benchmarks/device_measure.sh OUT   # 16x3 and 8x4: CPU attention eager, scripted, shorter switch interval
+#   PHASE=K bash benchmarks/device_measure.sh OUT   # profiler traces of 8x4 and 16x3 with CPU attention
 #   PHASE=T bash benchmarks/device_measure.sh OUT   # GPU tests only
 #   PHASE=E bash benchmarks/device_measure.sh OUT   # GPU tests; CPU-attention shapes; timelines of a
 #                                                   # CPU-attention and the compressed policy
@@ -117,6 +118,13 @@ case "${PHASE:-A}" in
          --out "$OUT/$v" 2>&1 | grep -v "^\s*$" | grep -v "^---" | tail -3
      done
      rm -f "$OUT"/*/throughput.jsonl ;;
+  K) for p in "8x4:0,100,0,100,100,0:a" "16x3:0,100,0,100,100,0:a"; do  # traces of 3-4 GPU batch CPU attention
+       echo "=== timeline $p ($(date +%T))"
+       d="$OUT/$(echo $p | cut -d: -f1)"
+       timeout 230 python3 benchmarks/timeline.py --model dummy:opt-30b --prompt-len 512 --gen-len 3 \
+         --gpu-mem 16GiB --cpu-mem 100GiB --policy "$p" --out "$d" 2>&1 | grep -v "^\s*$" | tail -22
+       ls -la "$d"
+     done ;;
   T) echo "=== gpu tests ($(date +%T))"
      timeout 180 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log" ;;
   E) echo "=== gpu tests ($(date +%T))"
