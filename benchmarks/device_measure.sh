@@ -19,6 +19,7 @@
 #   PHASE=S bash benchmarks/device_measure.sh OUT   # GPU tests; 16x3 and 8x4 with three and four weight slots
 #   PHASE=J bash benchmarks/device_measure.sh OUT   # 16x3 and 8x4: CPU attention eager, scripted, shorter switch interval
 #   PHASE=K bash benchmarks/device_measure.sh OUT   # profiler traces of 8x4 and 16x3 with CPU attention
+#   PHASE=L bash benchmarks/device_measure.sh OUT   # GPU tests; 16x3 and 8x4 by how CPU attention's output reaches the GPU
 #   PHASE=T bash benchmarks/device_measure.sh OUT   # GPU tests only
 #   PHASE=E bash benchmarks/device_measure.sh OUT   # GPU tests; CPU-attention shapes; timelines of a
 #                                                   # CPU-attention and the compressed policy
@@ -125,6 +126,15 @@ case "${PHASE:-A}" in
          --gpu-mem 16GiB --cpu-mem 100GiB --policy "$p" --out "$d" 2>&1 | grep -v "^\s*$" | tail -22
        ls -la "$d"
      done ;;
+  L) echo "=== gpu tests ($(date +%T))"
+     timeout 100 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
+     for v in map copy up; do  # how CPU attention's output reaches the device
+       echo "=== opt-30b, FLEXOFF_FETCH=$v ($(date +%T))"
+       FLEXOFF_FETCH=$v timeout 160 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB \
+         --hardware $HW --policy "16x3:0,100,0,100,100,0:a" --policy "8x4:0,100,0,100,100,0:a" \
+         --out "$OUT/$v" 2>&1 | grep -v "^\s*$" | grep -v "^---" | tail -3
+     done
+     rm -f "$OUT"/*/throughput.jsonl ;;
   T) echo "=== gpu tests ($(date +%T))"
      timeout 180 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log" ;;
   E) echo "=== gpu tests ($(date +%T))"

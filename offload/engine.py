@@ -96,29 +96,49 @@ class _Pending:
     finish: Callable[[], None]
 
 
+class _DevicePointer:
+    """A registered host buffer as a CUDA array: under unified addressing, registered host memory is
+    mapped into the device's address space at the same address, so kernels can read it directly."""
+
+    def __init__(self, t: torch.Tensor):
+        self.host = t  # kept alive with the view
+        self.__cuda_array_interface__ = {"shape": (t.numel(),), "typestr": "|u1", "data": (t.data_ptr(), False),
+                                         "version": 2}
+
+
 class _HostIO:
-    """Pinned buffers and two streams of its own through which CPU attention receives q, k, v and
-    returns its output (its own streams: never queued behind weight transfers). Two sets of
-    buffers, used by alternate calls, so one call's copies overlap the previous call's attention.
-    The attention thread sends its output itself: it stages it in pinned memory and starts the
-    copy, and the compute stream waits for the copy (no other thread, no host wait for it)."""
+    """Pinned buffers through which CPU attention receives q, k, v and returns its output. Two sets,
+    used by alternate calls, so one call's copies overlap the previous call's attention. Inputs go
+    down on a stream of their own. The output is staged in pinned memory by the attention thread;
+    how it reaches the device (FLEXOFF_FETCH, an experiment):
+    - "up": the attention thread copies it on a stream of its own, and the compute stream waits for
+      the copy (measured on the H200: such a copy waits until the weight copy in flight drains);
+    - "copy": the scheduling thread copies it on the compute stream when the batch needs it;
+    - "map": a kernel on the compute stream reads it from the mapped host buffer (no copy engine)."""
 
     SETS = HOST_IO_SETS
 
     def __init__(self, lanes: Lanes, mem: Ledger, rows: int, spec: ModelSpec, dtype: torch.dtype):
-        self.cuda, self.device, self.dtype = lanes.cuda, mem.device, dtype
+        self.cuda, self.device, self.dtype, self.lanes = lanes.cuda, mem.device, dtype, lanes
         self.free: list[list[Event]] = [[] for _ in range(self.SETS)]  # when each set may be refilled
         self.next = 0
+        self.mode = os.environ.get("FLEXOFF_FETCH", "map") if self.cuda else "up"  # EXPERIMENT
+        self.fetched = [True] * self.SETS  # whether each set's last output has been read
         if self.cuda:
             qn, kvn = rows * spec.num_heads * spec.head_dim, rows * spec.num_kv_heads * spec.head_dim
-            self.bufs = [[mem.alloc("cpu", n * dtype.itemsize).view(dtype) for n in (qn, kvn, kvn, qn)]
-                         for _ in range(self.SETS)]
+            raw = [[mem.alloc("cpu", n * dtype.itemsize) for n in (qn, kvn, kvn, qn)] for _ in range(self.SETS)]
+            self.bufs = [[b.view(dtype) for b in bs] for bs in raw]
             self.down, self.up = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
+            if self.mode == "map":
+                self.mapped = [torch.as_tensor(_DevicePointer(bs[3]), device=self.device) for bs in raw]
 
     def take(self) -> tuple[int, list[Event]]:
         """The buffer set for the next call, and what must finish before it is refilled."""
         s = self.next
+        if not self.fetched[s]:
+            raise RuntimeError("internal: a CPU attention buffer set was reused before its output was read")
         self.next = (s + 1) % self.SETS
+        self.fetched[s] = self.mode == "up"
         return s, self.free[s]
 
     def to_host(self, s: int, *ts: torch.Tensor) -> list[torch.Tensor]:
@@ -134,17 +154,36 @@ class _HostIO:
         return out
 
     def send(self, s: int, o: torch.Tensor) -> tuple[torch.Tensor, Event]:
-        """The output o on the device, through set s's pinned buffer, and the copy's event (the
-        compute stream waits for it, not the host)."""
+        """On the attention thread: the output o staged in set s's pinned buffer; in "up" mode also
+        copied to the device, with the copy's event (the compute stream waits for it, not the host)."""
         if not self.cuda:
             return o, DONE
         h = self.bufs[s][3][:o.numel()].view(o.shape)
         h.copy_(o)
+        if self.mode != "up":
+            return h, DONE
         with torch.cuda.stream(self.up):
             d = h.to(self.device, non_blocking=True)
             ev = torch.cuda.Event()
             ev.record(self.up)
         return d, Event(cuda=ev)
+
+    def fetch(self, s: int, h: torch.Tensor) -> torch.Tensor:
+        """On the scheduling thread, once the call has finished: set s's staged output on the device,
+        read on the compute stream; the set may be refilled once that read is done."""
+        if self.mode == "up" or not self.cuda:
+            return h
+        if self.mode == "copy":
+            d = h.to(self.device, non_blocking=True)
+        else:
+            n = h.numel() * h.element_size()
+            src = self.mapped[s][:n]
+            if n % 4 == 0:  # a word per thread: fewer reads across the link
+                src = src.view(torch.int32)
+            d = torch.add(src, 0).view(self.dtype).view(h.shape)  # a kernel reads the host buffer
+        self.free[s] = self.free[s] + [self.lanes.compute.mark()]
+        self.fetched[s] = True
+        return d
 
 
 class _Clock:
@@ -437,9 +476,10 @@ class Engine:
             if cpu is not None:
                 ev, box = cpu
                 self.lanes.compute.wait([ev])  # the host for the attention, the stream for its copy
-                if self.lanes.cuda:
-                    box["o"].record_stream(self.lanes.compute.stream)
-                outs[outs.index(None)] = box["o"]
+                o = self.host_io.fetch(box["set"], box["o"])
+                if self.lanes.cuda and self.host_io.mode == "up":
+                    o.record_stream(self.lanes.compute.stream)
+                outs[outs.index(None)] = o
             o = outs[0] if len(outs) == 1 else torch.cat(outs)
             self._finish_layer(j, k, fam.attn_out(w, h, o))
 
@@ -451,14 +491,15 @@ class Engine:
     def _cpu_attention(self, li: int, kb: int, st: _Batch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        r0: int, r1: int, t: int) -> tuple[Event, dict[str, torch.Tensor]]:
         """Decode attention for CPU-resident rows on the CPU lane: an event for its output
-        (rows, heads, 1, d) on the compute device, which is box["o"] once the event resolves."""
+        (rows, heads, 1, d), which is box["o"] once the event resolves (staged in buffer set
+        box["set"], for host_io.fetch)."""
         seg, codec, io, kv = self.kv.homes[li][kb]["cpu"], self.kv.cpu_codec, self.host_io, self.kv
         rows, scale, timing = r1 - r0, self.fam.scale, self.timing
         mask = st.valid_host[r0:r1, None, :t + 1]
         cap = kv.split["cpu"]
         threads = self._cpu_threads
         lanes, buf, free = self.lanes, *io.take()
-        box: dict[str, torch.Tensor] = {}  # the output on the device, put there by attention()
+        box: dict[str, Any] = {"set": buf}  # "o": the output, put there by attention()
 
         def down() -> list[torch.Tensor]:
             t0 = time.perf_counter()
