@@ -20,6 +20,7 @@
 #   PHASE=J bash benchmarks/device_measure.sh OUT   # 16x3 and 8x4: CPU attention eager, scripted, shorter switch interval
 #   PHASE=K bash benchmarks/device_measure.sh OUT   # profiler traces of 8x4 and 16x3 with CPU attention
 #   PHASE=L bash benchmarks/device_measure.sh OUT   # GPU tests; 16x3 and 8x4 by how CPU attention's output reaches the GPU
+#   PHASE=M bash benchmarks/device_measure.sh OUT   # GPU tests; 16x3, 8x4, auto, 24x2; 16x3 and 8x4 in plain zig-zag order
 #   PHASE=T bash benchmarks/device_measure.sh OUT   # GPU tests only
 #   PHASE=E bash benchmarks/device_measure.sh OUT   # GPU tests; CPU-attention shapes; timelines of a
 #                                                   # CPU-attention and the compressed policy
@@ -134,6 +135,17 @@ case "${PHASE:-A}" in
          --hardware $HW --policy "16x3:0,100,0,100,100,0:a" --policy "8x4:0,100,0,100,100,0:a" \
          --out "$OUT/$v" 2>&1 | grep -v "^\s*$" | grep -v "^---" | tail -3
      done
+     rm -f "$OUT"/*/throughput.jsonl ;;
+  M) echo "=== gpu tests ($(date +%T))"
+     timeout 100 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
+     echo "=== opt-30b: 3-4 GPU batch CPU-attention shapes, auto, 24x2 ($(date +%T))"
+     timeout 300 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW \
+       --policy "16x3:0,100,0,100,100,0:a" --policy "8x4:0,100,0,100,100,0:a" --policy auto \
+       --policy "24x2:0,100,0,100,100,0:a" --out "$OUT/early" 2>&1 | grep -v "^\s*$" | grep -v "^---" | tail -5
+     echo "=== opt-30b: the same without starting attention layers early ($(date +%T))"
+     FLEXOFF_EARLY=0 timeout 170 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW \
+       --policy "16x3:0,100,0,100,100,0:a" --policy "8x4:0,100,0,100,100,0:a" --out "$OUT/zigzag" 2>&1 \
+       | grep -v "^\s*$" | grep -v "^---" | tail -3
      rm -f "$OUT"/*/throughput.jsonl ;;
   T) echo "=== gpu tests ($(date +%T))"
      timeout 180 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log" ;;

@@ -92,7 +92,11 @@ class _Batch:
 
 @dataclass
 class _Pending:
+    """A CPU attention call of batch k at layer j, through buffer set `buffers`; finish() waits
+    for it and issues the rest of the layer (its output read onto the device, the projection)."""
     k: int
+    j: int
+    buffers: int
     finish: Callable[[], None]
 
 
@@ -346,38 +350,36 @@ class Engine:
         pin = self.device.type == "cuda"
         states = [_Batch(b, gen_len, self.device, pin) for b in batches]
         clock = _Clock(self, states, on_tokens)
-        pending: _Pending | None = None
+        self._pending: list[_Pending] = []  # CPU attention calls whose output is not yet used
         if p.overlap:
             self.weights.prefetch(0)
         slots = len(self.weights.slots)
-        deep = slots >= 3
-        # with three or more slots weights are prefetched slots - 1 layers ahead, issued once the
-        # layer before this one has finished for every batch (its slot is the one reused)
-        ahead, at = (slots - 1, min(1, K - 1)) if deep else (1, 0)
+        # with three or more slots weights are prefetched two layers ahead, issued at a layer's
+        # second batch; with four (CPU attention), decode starts an attention layer's first batch
+        # before the layer before it ends (batch 0's q, k, v join the CPU lane's queue behind the
+        # last batch's attention instead of after it), and the two slots beyond cover the layers
+        # still in use meanwhile
+        ahead, at = (2, min(1, K - 1)) if slots >= 3 else (1, 0)
+        kinds = [layer.kind for layer in self.spec.layers]
+        early = [j for j in range(1, L) if kinds[j] == "attn" and kinds[j - 1] == "mlp"] \
+            if slots >= 4 and self.kv.cpu_compute and os.environ.get("FLEXOFF_EARLY", "1") == "1" else []  # EXPERIMENT
         self._cpu_free_at = None
-        for step, nxt in zigzag(gen_len, L, K):
+        for step, nxt in zigzag(gen_len, L, K, early):
             i, j, k = step
-            # the same batch's data; or, with two weight slots, the slot the prefetch will reuse
-            if pending is not None and (pending.k == k or (k == 0 and not deep)):
-                self._finish(pending)
-                pending = None
+            self._finish_where(lambda c: c.k == k)  # this batch's input
             if p.overlap:
                 self._prefetch(step, nxt, states, gen_len, ahead if k == at else 0)
+            if kinds[j] == "attn" and i >= 1:  # a CPU attention call takes the next buffer set
+                self._finish_where(lambda c: c.buffers == self.host_io.next)
             cont = self._compute(step, states[k])
-            if pending is not None:
-                self._finish(pending)
-                if p.overlap:
-                    self._prefetch_hidden(step, nxt)  # its input may have been pending
-            pending = cont
+            if cont is not None:
+                self._pending.append(cont)
             if not p.overlap:
-                if pending is not None:
-                    self._finish(pending)
-                    pending = None
+                self._finish_where(lambda c: True)
                 self.lanes.sync()
             if j == L - 1 and k == K - 1 and clock.token_step_done(i):
                 break
-        if pending is not None:
-            self._finish(pending)
+        self._finish_where(lambda c: True)
         return clock.finish(states)
 
     def traffic(self) -> dict[str, float]:
@@ -387,10 +389,22 @@ class Engine:
         return {**self.mover.traffic, "cpu_attention": self.cpu_attention_bytes, **self.timing,
                 "h2d_busy_s": self.mover.link_seconds()}
 
-    def _finish(self, pending: _Pending) -> None:
-        t0 = time.perf_counter()
-        pending.finish()
-        self.timing["wait_cpu_attention_s"] += time.perf_counter() - t0
+    def _finish_where(self, which: Callable[[_Pending], bool]) -> None:
+        """Finish the pending CPU attention calls `which` picks, oldest first: wait for each and
+        issue its layer's remaining compute."""
+        for c in [c for c in self._pending if which(c)]:
+            self._pending.remove(c)
+            t0 = time.perf_counter()
+            c.finish()
+            self.timing["wait_cpu_attention_s"] += time.perf_counter() - t0
+
+    def _stage(self, j: int) -> None:
+        """Start copying layer j's weights into a slot, once the calls still reading the layer
+        that slot holds have been finished (their compute issued, so the copy waits for it)."""
+        held = self.weights.reuses(j)
+        if held is not None:
+            self._finish_where(lambda c: c.j == held)
+        self.weights.prefetch(j)
 
     def _prefetch(self, step: Step, nxt: Step | None, states: list[_Batch], gen_len: int, ahead: int) -> None:
         """Issue the loads for what comes next, overlapping this step's compute: the weights of
@@ -400,9 +414,9 @@ class Engine:
         L = len(self.spec.layers)
         for d in range(1, ahead + 1):
             if j + d < L:
-                self.weights.prefetch(j + d)
+                self._stage(j + d)
             elif i + 1 < gen_len:
-                self.weights.prefetch(j + d - L)
+                self._stage(j + d - L)
         if nxt is None:
             return
         ni, nj, nk = nxt
@@ -420,6 +434,7 @@ class Engine:
     def _compute(self, step: Step, st: _Batch) -> _Pending | None:
         i, j, k = step
         kind = self.spec.layers[j].kind
+        self._stage(j)  # a no-op if staged already
         w, deps = self.weights.get(j)
         if kind == "embed":
             self.lanes.compute.wait(deps)
@@ -486,7 +501,7 @@ class Engine:
         if cpu is None:
             finish()
             return None
-        return _Pending(k, finish)
+        return _Pending(k, j, cpu[1]["set"], finish)
 
     def _cpu_attention(self, li: int, kb: int, st: _Batch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        r0: int, r1: int, t: int) -> tuple[Event, dict[str, torch.Tensor]]:

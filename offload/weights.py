@@ -171,6 +171,12 @@ class WeightStore:
                 ev = self.mover.copy(Span(slot.buf, lo - s.stage, hi - lo), src, deps, lane="load")
                 slot.track.wrote(ev)
 
+    def reuses(self, j: int) -> int | None:
+        """The layer whose slot prefetch(j) would take now (None if it takes none, or an empty one)."""
+        if self.splits[j].resident or j in self._in_slot or not self.slots:
+            return None
+        return self.slots[self._next_slot].track.tag
+
     def get(self, j: int) -> tuple[dict[str, Any], list[Event]]:
         """Compute-ready weights of layer j and the events the compute must wait for."""
         s = self.splits[j]

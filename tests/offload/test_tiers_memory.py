@@ -30,6 +30,19 @@ def test_zigzag_order_and_lookahead():
     assert [n for _, n in steps] == order[1:] + [None]
 
 
+def test_zigzag_early_layers_start_before_the_layer_before_ends_in_decode():
+    steps = [s for s, _ in zigzag(2, 4, 3, early=[2])]
+    zz = [Step(i, j, k) for i in range(2) for j in range(4) for k in range(3)]
+    want = zz[:12] + zz[12:17] + [Step(1, 2, 0), Step(1, 1, 2)] + zz[19:]  # the prefill keeps zig-zag order
+    assert steps == want
+    for i in (0, 1):  # each square once, and each batch's layers in order
+        mine = [s for s in steps if s.i == i]
+        assert sorted(mine) == sorted(s for s in zz if s.i == i)
+        for k in range(3):
+            assert [s.j for s in mine if s.k == k] == list(range(4))
+    assert [s for s, _ in zigzag(2, 4, 1, early=[2])] == [Step(i, j, 0) for i in range(2) for j in range(4)]
+
+
 def test_row_split_fills_fast_tiers_first():
     assert row_split(4, 30, 40) == {"gpu": 1, "cpu": 2, "disk": 1}
     assert row_split(3, 0, 100) == {"gpu": 0, "cpu": 3, "disk": 0}
