@@ -12,15 +12,11 @@
 #                                                   # ratios; about 8 minutes)
 #   PHASE=F bash benchmarks/device_measure.sh OUT   # auto and two hand policies without compression,
 #                                                   # then the Accelerate baseline, in one run
-#   PHASE=I bash benchmarks/device_measure.sh OUT   # GPU tests; 3-4 GPU batch CPU-attention shapes;
+#   PHASE=I bash benchmarks/device_measure.sh OUT   # GPU tests; 1-4 GPU batch CPU-attention shapes;
 #                                                   # auto and the best hand policy (24x2) in one run
 #   PHASE=G bash benchmarks/device_measure.sh OUT   # GPU tests; the host's time per engine step; auto+c
 #                                                   # searched and predicted with the host step
-#   PHASE=S bash benchmarks/device_measure.sh OUT   # GPU tests; 16x3 and 8x4 with three and four weight slots
-#   PHASE=J bash benchmarks/device_measure.sh OUT   # 16x3 and 8x4: CPU attention eager, scripted, shorter switch interval
 #   PHASE=K bash benchmarks/device_measure.sh OUT   # profiler traces of 8x4 and 16x3 with CPU attention
-#   PHASE=L bash benchmarks/device_measure.sh OUT   # GPU tests; 16x3 and 8x4 by how CPU attention's output reaches the GPU
-#   PHASE=M bash benchmarks/device_measure.sh OUT   # GPU tests; 16x3, 8x4, auto, 24x2; 16x3 and 8x4 in plain zig-zag order
 #   PHASE=T bash benchmarks/device_measure.sh OUT   # GPU tests only
 #   PHASE=E bash benchmarks/device_measure.sh OUT   # GPU tests; CPU-attention shapes; timelines of a
 #                                                   # CPU-attention and the compressed policy
@@ -98,27 +94,11 @@ case "${PHASE:-A}" in
        --policy auto+c --out "$OUT" 2>&1 | grep -v "^\s*$" | grep -v "^---" ;;
   I) echo "=== gpu tests ($(date +%T))"
      timeout 120 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
-     echo "=== opt-30b: 3-4 GPU batch CPU-attention shapes; auto against the best hand policy ($(date +%T))"
-     timeout 340 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW \
+     echo "=== opt-30b: weights and cache on CPU, CPU attention, 1-4 GPU batches; auto ($(date +%T))"
+     timeout 440 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW \
        --policy "16x3:0,100,0,100,100,0:a" --policy "8x4:0,100,0,100,100,0:a" --policy auto \
-       --policy "24x2:0,100,0,100,100,0:a" --out "$OUT/send" 2>&1 | grep -v "^\s*$" | grep -v "^---" | tail -5
-     rm -f "$OUT"/*/throughput.jsonl ;;
-  S) echo "=== gpu tests ($(date +%T))"
-     timeout 120 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
-     for slots in 3 4; do  # 3-4 GPU batch CPU-attention shapes with three and four weight slots
-       echo "=== opt-30b, $slots weight slots ($(date +%T))"
-       FLEXOFF_WEIGHT_SLOTS=$slots timeout 240 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB \
-         --hardware $HW --policy "16x3:0,100,0,100,100,0:a" --policy "8x4:0,100,0,100,100,0:a" \
-         --out "$OUT/slots$slots" 2>&1 | grep -v "^\s*$" | grep -v "^---" | tail -3
-     done
-     rm -f "$OUT"/*/throughput.jsonl ;;
-  J) for v in eager script script-5e-5; do  # CPU attention eager or scripted, and a shorter switch interval
-       echo "=== opt-30b, $v ($(date +%T))"
-       env $( [ $v = eager ] && echo FLEXOFF_EAGER_ATTENTION=1 ) $( [ $v = script-5e-5 ] && echo FLEXOFF_SWITCH_INTERVAL=5e-5 ) \
-         timeout 190 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB \
-         --hardware $HW --policy "16x3:0,100,0,100,100,0:a" --policy "8x4:0,100,0,100,100,0:a" \
-         --out "$OUT/$v" 2>&1 | grep -v "^\s*$" | grep -v "^---" | tail -3
-     done
+       --policy "24x2:0,100,0,100,100,0:a" --policy "32x1:0,100,0,100,100,0:a" --policy "16x2:0,100,0,100,100,0:a" \
+       --out "$OUT/cpu" 2>&1 | grep -v "^\s*$" | grep -v "^---" | tail -7
      rm -f "$OUT"/*/throughput.jsonl ;;
   K) for p in "8x4:0,100,0,100,100,0:a" "16x3:0,100,0,100,100,0:a"; do  # traces of 3-4 GPU batch CPU attention
        echo "=== timeline $p ($(date +%T))"
@@ -127,26 +107,6 @@ case "${PHASE:-A}" in
          --gpu-mem 16GiB --cpu-mem 100GiB --policy "$p" --out "$d" 2>&1 | grep -v "^\s*$" | tail -22
        ls -la "$d"
      done ;;
-  L) echo "=== gpu tests ($(date +%T))"
-     timeout 100 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
-     for v in map copy up; do  # how CPU attention's output reaches the device
-       echo "=== opt-30b, FLEXOFF_FETCH=$v ($(date +%T))"
-       FLEXOFF_FETCH=$v timeout 160 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB \
-         --hardware $HW --policy "16x3:0,100,0,100,100,0:a" --policy "8x4:0,100,0,100,100,0:a" \
-         --out "$OUT/$v" 2>&1 | grep -v "^\s*$" | grep -v "^---" | tail -3
-     done
-     rm -f "$OUT"/*/throughput.jsonl ;;
-  M) echo "=== gpu tests ($(date +%T))"
-     timeout 100 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
-     echo "=== opt-30b: 3-4 GPU batch CPU-attention shapes, auto, 24x2 ($(date +%T))"
-     timeout 300 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW \
-       --policy "16x3:0,100,0,100,100,0:a" --policy "8x4:0,100,0,100,100,0:a" --policy auto \
-       --policy "24x2:0,100,0,100,100,0:a" --out "$OUT/early" 2>&1 | grep -v "^\s*$" | grep -v "^---" | tail -5
-     echo "=== opt-30b: the same without starting attention layers early ($(date +%T))"
-     FLEXOFF_EARLY=0 timeout 170 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW \
-       --policy "16x3:0,100,0,100,100,0:a" --policy "8x4:0,100,0,100,100,0:a" --out "$OUT/zigzag" 2>&1 \
-       | grep -v "^\s*$" | grep -v "^---" | tail -3
-     rm -f "$OUT"/*/throughput.jsonl ;;
   T) echo "=== gpu tests ($(date +%T))"
      timeout 180 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log" ;;
   E) echo "=== gpu tests ($(date +%T))"

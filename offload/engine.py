@@ -5,8 +5,11 @@ for each token step, layer and GPU batch it prefetches the next layer's
 weights, loads the next batch's KV cache and activations, computes this batch
 and stores what it produced, each on its own lane, ordered by events; decode
 attention on the CPU next to a CPU-resident cache, overlapped with the next
-batch's GPU work (its copies in and out on lanes of their own, so they overlap
-the attention of the call before); prefill and decode timing; peak memory per tier.
+batches' GPU work: its inputs go down on a lane of their own (overlapping the
+call before), its output is read from mapped host memory when its batch needs
+it, and each attention layer's first batch starts before the layer before ends,
+so the CPU lane always has the next call queued; prefill and decode timing;
+peak memory per tier.
 Does not know: tokenization, sampling rules or stop conditions (the caller
 passes a sampler and an on_tokens callback), where prompts come from.
 """
@@ -113,12 +116,11 @@ class _DevicePointer:
 class _HostIO:
     """Pinned buffers through which CPU attention receives q, k, v and returns its output. Two sets,
     used by alternate calls, so one call's copies overlap the previous call's attention. Inputs go
-    down on a stream of their own. The output is staged in pinned memory by the attention thread;
-    how it reaches the device (FLEXOFF_FETCH, an experiment):
-    - "up": the attention thread copies it on a stream of its own, and the compute stream waits for
-      the copy (measured on the H200: such a copy waits until the weight copy in flight drains);
-    - "copy": the scheduling thread copies it on the compute stream when the batch needs it;
-    - "map": a kernel on the compute stream reads it from the mapped host buffer (no copy engine)."""
+    down on a stream of their own. The attention thread stages its output in pinned memory; once
+    the call has finished, the scheduling thread has a kernel on the compute stream read it from
+    the mapped host buffer. Not a copy: measured on the H200, a host-to-device copy of it, on any
+    stream, waited until the weight copy in flight drained (5-15 ms), and the calls behind it with it.
+    Where the buffer cannot be mapped it is copied."""
 
     SETS = HOST_IO_SETS
 
@@ -126,15 +128,17 @@ class _HostIO:
         self.cuda, self.device, self.dtype, self.lanes = lanes.cuda, mem.device, dtype, lanes
         self.free: list[list[Event]] = [[] for _ in range(self.SETS)]  # when each set may be refilled
         self.next = 0
-        self.mode = os.environ.get("FLEXOFF_FETCH", "map") if self.cuda else "up"  # EXPERIMENT
         self.fetched = [True] * self.SETS  # whether each set's last output has been read
+        self.mapped: list[torch.Tensor] | None = None  # each set's output buffer, as the device sees it
         if self.cuda:
             qn, kvn = rows * spec.num_heads * spec.head_dim, rows * spec.num_kv_heads * spec.head_dim
             raw = [[mem.alloc("cpu", n * dtype.itemsize) for n in (qn, kvn, kvn, qn)] for _ in range(self.SETS)]
             self.bufs = [[b.view(dtype) for b in bs] for bs in raw]
-            self.down, self.up = torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)
-            if self.mode == "map":
+            self.down = torch.cuda.Stream(self.device)
+            try:
                 self.mapped = [torch.as_tensor(_DevicePointer(bs[3]), device=self.device) for bs in raw]
+            except (RuntimeError, TypeError):  # no unified addressing (or no NumPy for the interface)
+                self.mapped = None
 
     def take(self) -> tuple[int, list[Event]]:
         """The buffer set for the next call, and what must finish before it is refilled."""
@@ -142,7 +146,7 @@ class _HostIO:
         if not self.fetched[s]:
             raise RuntimeError("internal: a CPU attention buffer set was reused before its output was read")
         self.next = (s + 1) % self.SETS
-        self.fetched[s] = self.mode == "up"
+        self.fetched[s] = not self.cuda
         return s, self.free[s]
 
     def to_host(self, s: int, *ts: torch.Tensor) -> list[torch.Tensor]:
@@ -157,27 +161,20 @@ class _HostIO:
             self.down.synchronize()
         return out
 
-    def send(self, s: int, o: torch.Tensor) -> tuple[torch.Tensor, Event]:
-        """On the attention thread: the output o staged in set s's pinned buffer; in "up" mode also
-        copied to the device, with the copy's event (the compute stream waits for it, not the host)."""
+    def stage(self, s: int, o: torch.Tensor) -> torch.Tensor:
+        """On the attention thread: the output o in set s's pinned buffer."""
         if not self.cuda:
-            return o, DONE
+            return o
         h = self.bufs[s][3][:o.numel()].view(o.shape)
         h.copy_(o)
-        if self.mode != "up":
-            return h, DONE
-        with torch.cuda.stream(self.up):
-            d = h.to(self.device, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(self.up)
-        return d, Event(cuda=ev)
+        return h
 
     def fetch(self, s: int, h: torch.Tensor) -> torch.Tensor:
-        """On the scheduling thread, once the call has finished: set s's staged output on the device,
-        read on the compute stream; the set may be refilled once that read is done."""
-        if self.mode == "up" or not self.cuda:
+        """On the scheduling thread, once the call has finished: set s's staged output h on the
+        device, read on the compute stream; the set may be refilled once that read is done."""
+        if not self.cuda:
             return h
-        if self.mode == "copy":
+        if self.mapped is None:
             d = h.to(self.device, non_blocking=True)
         else:
             n = h.numel() * h.element_size()
@@ -279,7 +276,7 @@ class Engine:
         self._cpu_threads = cpu_attention_threads() if self.lanes.cuda and policy.cpu_cache_compute else 0
         self.cpu_attention_bytes = 0
         self.timing = {"wait_cpu_attention_s": 0.0, "cpu_attention_compute_s": 0.0, "cpu_attention_down_s": 0.0,
-                       "cpu_attention_up_s": 0.0, "cpu_attention_calls": 0,
+                       "cpu_attention_stage_s": 0.0, "cpu_attention_calls": 0,
                        "cpu_attention_idle_layer_s": 0.0, "cpu_attention_idle_batch_s": 0.0}
         self._cpu_free_at: float | None = None  # when the CPU attention lane last finished a call
 
@@ -333,7 +330,7 @@ class Engine:
         # every 0.6 ms) and CPU attention's lanes many times a layer: a short switch interval
         # keeps them from waiting the default 5 ms for it (link gaps of 4-8 ms were measured)
         interval, threads = sys.getswitchinterval(), torch.get_num_threads()
-        sys.setswitchinterval(min(interval, float(os.environ.get("FLEXOFF_SWITCH_INTERVAL", SWITCH_INTERVAL))))  # EXPERIMENT
+        sys.setswitchinterval(min(interval, SWITCH_INTERVAL))
         try:
             return self._run(batches, gen_len, sampler, on_tokens, prompt_logprobs)
         finally:
@@ -362,7 +359,7 @@ class Engine:
         ahead, at = (2, min(1, K - 1)) if slots >= 3 else (1, 0)
         kinds = [layer.kind for layer in self.spec.layers]
         early = [j for j in range(1, L) if kinds[j] == "attn" and kinds[j - 1] == "mlp"] \
-            if slots >= 4 and self.kv.cpu_compute and os.environ.get("FLEXOFF_EARLY", "1") == "1" else []  # EXPERIMENT
+            if slots >= 4 and self.kv.cpu_compute else []
         self._cpu_free_at = None
         for step, nxt in zigzag(gen_len, L, K, early):
             i, j, k = step
@@ -490,11 +487,8 @@ class Engine:
         def finish() -> None:
             if cpu is not None:
                 ev, box = cpu
-                self.lanes.compute.wait([ev])  # the host for the attention, the stream for its copy
-                o = self.host_io.fetch(box["set"], box["o"])
-                if self.lanes.cuda and self.host_io.mode == "up":
-                    o.record_stream(self.lanes.compute.stream)
-                outs[outs.index(None)] = o
+                ev.wait_host()
+                outs[outs.index(None)] = self.host_io.fetch(box["set"], box["o"])
             o = outs[0] if len(outs) == 1 else torch.cat(outs)
             self._finish_layer(j, k, fam.attn_out(w, h, o))
 
@@ -504,7 +498,7 @@ class Engine:
         return _Pending(k, j, cpu[1]["set"], finish)
 
     def _cpu_attention(self, li: int, kb: int, st: _Batch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       r0: int, r1: int, t: int) -> tuple[Event, dict[str, torch.Tensor]]:
+                       r0: int, r1: int, t: int) -> tuple[Event, dict[str, Any]]:
         """Decode attention for CPU-resident rows on the CPU lane: an event for its output
         (rows, heads, 1, d), which is box["o"] once the event resolves (staged in buffer set
         box["set"], for host_io.fetch)."""
@@ -539,19 +533,19 @@ class Engine:
             t1 = time.perf_counter()
             timing["cpu_attention_compute_s"] += t1 - t0
             timing["cpu_attention_calls"] += 1
-            box["o"], sent = io.send(buf, o)
+            box["o"] = io.stage(buf, o)
             self._cpu_free_at = time.perf_counter()
-            timing["cpu_attention_up_s"] += self._cpu_free_at - t1
-            return sent
+            timing["cpu_attention_stage_s"] += self._cpu_free_at - t1
+            return DONE
 
         # the down and attention lanes: a call's input copies overlap the attention of the call
-        # before it; `done` resolves to the output copy's event
+        # before it; `done` resolves once its output is staged
         self.cpu_attention_bytes += rows * (t + 1) * self.kv.codec.rec_bytes
         got = lanes.cpu_down.run(down, [lanes.compute.mark()] + free)
         done = lanes.cpu.run(attention, [got] + seg.track.claim())
         seg.track.wrote(done)
         seg.track.tag = t + 1
-        io.free[buf] = [done]  # its q, k, v read and its output copied
+        io.free[buf] = [done]  # its q, k, v read (fetch adds the read of its output)
         return done, box
 
     def _prompt_logprobs(self, w: Mapping[str, Any], h: torch.Tensor, st: _Batch) -> torch.Tensor:

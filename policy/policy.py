@@ -9,7 +9,6 @@ Does not know: how a policy is executed (offload/ does that) or found (search).
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -22,11 +21,9 @@ PERCENT_FIELDS = ("w_gpu_percent", "w_cpu_percent", "cache_gpu_percent",
 
 def weight_slots(cpu_cache_compute: bool) -> int:
     """GPU slots the engine stages non-resident layers through: two (this layer and the next), or
-    four with CPU attention, whose calls may still be finishing a layer while the next ones stream in
-    (with three, the layer after next waits for the last call of the one before: measured on the
-    H200, 3-4 GPU batches left the link a quarter idle). FLEXOFF_WEIGHT_SLOTS overrides it (>= 2)."""
-    env = os.environ.get("FLEXOFF_WEIGHT_SLOTS")
-    return max(2, int(env)) if env else (4 if cpu_cache_compute else 2)
+    four with CPU attention, where decode starts an attention layer's first batch while the layer
+    before it and the one before that still finish their last batch."""
+    return 4 if cpu_cache_compute else 2
 
 
 @dataclass(frozen=True)

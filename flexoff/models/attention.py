@@ -7,10 +7,6 @@ Does not know: where the cache lives or how it is laid out in memory.
 
 from __future__ import annotations
 
-import os
-import warnings
-from typing import Callable
-
 import torch
 import torch.nn.functional as F
 
@@ -49,11 +45,20 @@ def _attend_math(
     return torch.matmul(p, v)
 
 
-def _attend_cached(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, kg: torch.Tensor, vg: torch.Tensor,
-                   k_new: torch.Tensor, v_new: torch.Tensor, g: int, mask: torch.Tensor,
-                   scale: float) -> torch.Tensor:
-    kg[:, :, g:g + 1] = k_new
-    vg[:, :, g:g + 1] = v_new
+def attend_cached(q: torch.Tensor, prompt: tuple[torch.Tensor, torch.Tensor],
+                  generated: tuple[torch.Tensor, torch.Tensor], new: tuple[torch.Tensor, torch.Tensor], g: int,
+                  mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Decode attention over a cache held in two areas, without concatenating them: writes the new
+    token's key and value at index g of the generated area, then attends over the prompt area and
+    generated tokens 0..g (scores joined, values summed).
+
+    q: (b, heads, 1, d); prompt: (k, v) each (b, kv_heads, s, d), generated: (k, v) each
+    (b, kv_heads, max_gen, d), contiguous heads; new: (k, v) each (b, kv_heads, 1, d);
+    mask: (b, 1, s + g + 1)."""
+    kp, vp = prompt
+    kg, vg = generated
+    kg[:, :, g:g + 1] = new[0]
+    vg[:, :, g:g + 1] = new[1]
     kg, vg = kg[:, :, :g + 1], vg[:, :, :g + 1]
     b, nh, sq, d = q.shape
     kvh = kp.shape[1]
@@ -68,36 +73,6 @@ def _attend_cached(q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, kg: torc
     s = kp.shape[2]
     out = torch.matmul(p[..., :s], vp) + torch.matmul(p[..., s:], vg)
     return out.reshape(b, nh, sq, d)
-
-
-def _script(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """fn compiled by TorchScript (deprecated in torch 2.13, without a replacement that runs a
-    whole function without Python's lock and without a compiler), or fn itself where it cannot be."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            return torch.jit.script(fn)
-    except Exception:  # a torch without TorchScript
-        return fn
-
-
-_attend_cached_script = _script(_attend_cached)
-
-
-def attend_cached(q: torch.Tensor, prompt: tuple[torch.Tensor, torch.Tensor],
-                  generated: tuple[torch.Tensor, torch.Tensor], new: tuple[torch.Tensor, torch.Tensor], g: int,
-                  mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """Decode attention over a cache held in two areas, without concatenating them: writes the new
-    token's key and value at index g of the generated area, then attends over the prompt area and
-    generated tokens 0..g (scores joined, values summed).
-
-    q: (b, heads, 1, d); prompt: (k, v) each (b, kv_heads, s, d), generated: (k, v) each
-    (b, kv_heads, max_gen, d), contiguous heads; new: (k, v) each (b, kv_heads, 1, d);
-    mask: (b, 1, s + g + 1). Runs as one TorchScript call, which holds Python's lock only to
-    start: the engine's other threads take it many times a millisecond, and an eager call that
-    waited for it after each of its operations measured up to 40% slower."""
-    fn = _attend_cached if os.environ.get("FLEXOFF_EAGER_ATTENTION") else _attend_cached_script  # EXPERIMENT
-    return fn(q, *prompt, *generated, *new, g, mask, scale)
 
 
 def prefill_mask(valid: torch.Tensor) -> torch.Tensor:
