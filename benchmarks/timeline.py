@@ -5,8 +5,8 @@
 
 The policy runs once to set up (weights placed, buffers pinned), then once more under the profiler.
 Over the decode window (from the end of the prefill's token step to the last event) it reports how
-busy each direction of the host-device link, each GPU stream and each CPU thread was, and the
-longest gaps in host-to-device copies. Writes OUT/trace-summary.json and, when small enough,
+busy each direction of the host-device link, each GPU stream and each CPU thread was, the
+longest gaps in host-to-device copies, and how long each stream's copies waited to start. Writes OUT/trace-summary.json and, when small enough,
 OUT/trace.json.gz (open it in chrome://tracing or Perfetto).
 """
 
@@ -84,7 +84,25 @@ def summarize(trace: dict[str, Any]) -> dict[str, Any]:
     h2d = union(clip(groups.get("link host to device", []), lo, hi))
     gaps = sorted(((b[0] - a[1], a[1] - lo) for a, b in zip(h2d, h2d[1:])), reverse=True)[:10]
     return {"window_us": width, "rows": rows,
-            "h2d_gaps_us": [{"gap": g, "at": at} for g, at in gaps]}
+            "h2d_gaps_us": [{"gap": g, "at": at} for g, at in gaps],
+            "copy_waits_us": copy_waits(events, lo, hi)}
+
+
+def copy_waits(events: list[dict[str, Any]], lo: float, hi: float) -> list[dict[str, Any]]:
+    """Per stream and direction, how long copies started in the window waited between the host
+    call that queued them and their start on the GPU (matched by correlation id): a small copy
+    queued behind another stream's copies shows here (CPU attention's output did, 5-15 ms)."""
+    calls = {e["args"]["correlation"]: e for e in events
+             if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    waits: dict[tuple[Any, str], list[float]] = {}
+    for e in events:
+        c = calls.get(e.get("args", {}).get("correlation")) if e.get("cat") == "gpu_memcpy" else None
+        if c is None or not lo <= e["ts"] < hi:
+            continue
+        kind = "HtoD" if "HtoD" in e["name"] else "DtoH" if "DtoH" in e["name"] else "other"
+        waits.setdefault((e.get("tid"), kind), []).append(max(0.0, e["ts"] - (c["ts"] + c["dur"])))
+    return [{"stream": sid, "copy": kind, "copies": len(w), "median": sorted(w)[len(w) // 2],
+             "mean": sum(w) / len(w), "max": max(w)} for (sid, kind), w in sorted(waits.items(), key=str)]
 
 
 def all_threads() -> Any:
@@ -145,6 +163,7 @@ def main() -> int:
     print(f"{policy.describe()}: decode window {summary.get('window_us', 0) / 1e3:.1f} ms")
     print(table(summary.get("rows", []), ["what", "busy", "events"]))
     print(table(summary.get("h2d_gaps_us", []), ["gap", "at"]))
+    print(table(summary.get("copy_waits_us", []), ["stream", "copy", "copies", "median", "mean", "max"]))
     return 0
 
 

@@ -38,3 +38,24 @@ def test_summary_counts_busy_time_and_gaps_in_the_decode_window():
     assert rows["CPU thread cpu-attention"]["busy"] == pytest.approx(50 / 200)  # named by its lane
     assert [g["gap"] for g in s["h2d_gaps_us"]] == [60, 20]
     assert s["h2d_gaps_us"][0]["at"] == pytest.approx(80)
+
+
+def test_copy_waits_match_copies_to_the_calls_that_queued_them():
+    def x(cat, name, ts, dur, tid=1, **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": args}
+
+    trace = {"traceEvents": [
+        x("cpu_op", "flexoff: token step 0 issued", 90, 10),
+        x("cuda_runtime", "cudaMemcpyAsync", 100, 5, correlation=1),
+        x("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 125, 10, tid=61, correlation=1),  # waited 20
+        x("cuda_runtime", "cudaMemcpyAsync", 140, 5, correlation=2),
+        x("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 205, 10, tid=61, correlation=2),  # waited 60
+        x("cuda_runtime", "cudaMemcpyAsync", 150, 2, correlation=3),
+        x("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 153, 4, tid=57, correlation=3),  # waited 1
+        x("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 160, 4, tid=49, correlation=9),  # no call: left out
+    ]}
+    waits = {(w["stream"], w["copy"]): w for w in summarize(trace)["copy_waits_us"]}
+    assert set(waits) == {(61, "HtoD"), (57, "DtoH")}
+    assert waits[(61, "HtoD")]["copies"] == 2 and waits[(61, "HtoD")]["max"] == pytest.approx(60)
+    assert waits[(61, "HtoD")]["mean"] == pytest.approx(40)
+    assert waits[(57, "DtoH")]["median"] == pytest.approx(1)
