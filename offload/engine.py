@@ -108,7 +108,7 @@ class _DevicePointer:
     mapped into the device's address space at the same address, so kernels can read it directly."""
 
     def __init__(self, t: torch.Tensor):
-        self.host = t  # kept alive with the view
+        self.host = t  # the engine's Ledger keeps the memory itself until the engine closes
         self.__cuda_array_interface__ = {"shape": (t.numel(),), "typestr": "|u1", "data": (t.data_ptr(), False),
                                          "version": 2}
 
@@ -279,6 +279,7 @@ class Engine:
                        "cpu_attention_stage_s": 0.0, "cpu_attention_calls": 0,
                        "cpu_attention_idle_layer_s": 0.0, "cpu_attention_idle_batch_s": 0.0}
         self._cpu_free_at: float | None = None  # when the CPU attention lane last finished a call
+        self._pending: list[_Pending] = []  # CPU attention calls whose output is not yet used
 
     # ---- setup ---------------------------------------------------------
     def load_weights(self, layers: Iterable[tuple[int, Mapping[str, torch.Tensor]]]) -> None:
@@ -347,7 +348,7 @@ class Engine:
         pin = self.device.type == "cuda"
         states = [_Batch(b, gen_len, self.device, pin) for b in batches]
         clock = _Clock(self, states, on_tokens)
-        self._pending: list[_Pending] = []  # CPU attention calls whose output is not yet used
+        self._pending = []
         if p.overlap:
             self.weights.prefetch(0)
         slots = len(self.weights.slots)
