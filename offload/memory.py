@@ -26,8 +26,8 @@ from flexoff.offload.layout import Layout
 from flexoff.offload.mover import CHUNK
 from flexoff.offload.placement import TIERS
 from flexoff.offload.tiers import GiB, Budgets
-from flexoff.offload.weights import num_slots, plan_weights, weight_bytes
-from flexoff.policy.policy import Policy
+from flexoff.offload.weights import plan_weights, weight_bytes
+from flexoff.policy.policy import Policy, weight_slots
 
 GPU_RESERVE = 1 << 30  # CUDA allocator slack and fragmentation
 HOST_IO_SETS = 2  # CPU attention's pinned buffer sets: one call's copies overlap the last's attention
@@ -55,7 +55,7 @@ def plan_memory(spec: ModelSpec, layouts: list[Layout], kv_rec_bytes: int, polic
                 max_prompt: int, max_gen: int, dtype: torch.dtype, cuda: bool) -> MemoryPlan:
     elem = dtype.itemsize
     plan = MemoryPlan()
-    plan.add("weights", weight_bytes(plan_weights(layouts, policy), num_slots(policy)))
+    plan.add("weights", weight_bytes(plan_weights(layouts, policy), weight_slots(policy.cpu_cache_compute)))
     plan.add("kv cache", kv_bytes(spec, kv_rec_bytes, policy, max_prompt + max_gen))
     plan.add("activations", act_bytes(spec, elem, policy, max_prompt))
     pinned = 4 * CHUNK if (cuda and plan.total("disk") > 0) else 0  # disk bounce buffers

@@ -33,11 +33,6 @@ def plan_weights(layouts: list[Layout], policy: Policy) -> list[ByteSplit]:
     return out
 
 
-def num_slots(policy: Policy) -> int:
-    """GPU slots layers are staged through (see policy.weight_slots)."""
-    return weight_slots(policy.cpu_cache_compute)
-
-
 def weight_bytes(splits: list[ByteSplit], slots: int = 2) -> dict[str, int]:
     """Bytes each tier holds for weights, GPU slots included."""
     slot = max((s.n - s.stage for s in splits), default=0)
@@ -77,7 +72,7 @@ class WeightStore:
         self.splits = plan_weights(self.layouts, policy)
         self.homes: list[dict[str, Any]] = [{} for _ in layers]  # allocated as each layer is filled
         slot_bytes = max((s.n - s.stage for s in self.splits), default=0)
-        self.slots = [_Slot(self.mem.alloc("gpu", slot_bytes)) for _ in range(num_slots(policy))] if slot_bytes else []
+        self.slots = [_Slot(self.mem.alloc("gpu", slot_bytes)) for _ in range(weight_slots(policy.cpu_cache_compute))] if slot_bytes else []
         self._next_slot = 0
         self._in_slot: dict[int, int] = {}  # layer -> slot holding it
         self._views: dict[tuple[int, int], dict[str, Any]] = {}
@@ -94,7 +89,7 @@ class WeightStore:
     def matches(self, fmt: WeightFormat, policy: Policy) -> bool:
         """Whether a policy would place these weights exactly as they are."""
         return (self.fmt.key == fmt.key and plan_weights(self.layouts, policy) == self.splits
-                and num_slots(policy) == len(self.slots))
+                and weight_slots(policy.cpu_cache_compute) == len(self.slots))
 
     # ---- loading -------------------------------------------------------
     def fill(self, j: int, tensors: Mapping[str, torch.Tensor], encoded: bool = False) -> None:
