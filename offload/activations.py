@@ -1,15 +1,18 @@
-"""Hidden states between layers: where each GPU batch's activations wait.
+"""Activations kept between steps: the live hidden state of each GPU batch, and the stash.
 
-Knows: a batch's hidden state split along rows across tiers (rows on the GPU
-stay where compute left them; CPU and disk rows are stored after a layer and
-loaded back, one batch ahead, before the next); which events order them.
+Knows: a tensor split along rows across tiers (rows on the GPU stay where compute left them;
+CPU and disk rows are stored after they are produced and loaded back, one step ahead, before
+they are needed), keyed by what holds them and tagged with what they are (the hidden store:
+one per batch, tagged by the layer whose output it is; the stash: one per (layer, batch),
+the layer's input in a training window's forward sweep, for its reverse sweep); which events
+order them.
 Does not know: model math, the schedule.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Hashable, Iterable
 
 import torch
 
@@ -27,56 +30,62 @@ def act_bytes(spec: ModelSpec, elem_bytes: int, policy: Policy, max_prompt: int)
     return {t: split[t] * per_row for t in TIERS}  # GPU rows: compute's tensors, kept between layers
 
 
+def stash_bytes(spec: ModelSpec, elem_bytes: int, policy: Policy, max_tokens: int) -> dict[str, int]:
+    """The stash of one training window: every layer's input but the embedding's, per batch."""
+    split = row_split(policy.gpu_batch_size, policy.stash_gpu_percent, policy.stash_cpu_percent)
+    per_row = max_tokens * spec.hidden_size * elem_bytes * policy.num_gpu_batches * (len(spec.layers) - 1)
+    return {t: split[t] * per_row for t in TIERS}
+
+
 @dataclass
 class _Stored:
-    layer: int  # the layer whose output this is
+    tag: Any  # what this is (the layer whose output, the window)
     shape: tuple[int, ...]
     gpu: torch.Tensor | None  # rows kept on the compute device
     ev: Event  # compute that produced it
     homes: dict[str, Any] = field(default_factory=dict)
 
 
-class HiddenStore:
-    def __init__(self, spec: ModelSpec, dtype: torch.dtype, policy: Policy, mem: Ledger,
-                 lanes: Lanes, mover: Mover, max_prompt: int):
+class RowStore:
+    """Tensors (n, s, hidden) keyed by their holder, rows split across tiers."""
+
+    def __init__(self, keys: Iterable[Hashable], split: dict[str, int], row_bytes: int, dtype: torch.dtype,
+                 mem: Ledger, lanes: Lanes, mover: Mover):
         self.dtype, self.lanes, self.mover, self.device = dtype, lanes, mover, mem.device
-        self.split = row_split(policy.gpu_batch_size, policy.act_gpu_percent, policy.act_cpu_percent)
-        per_row = max_prompt * spec.hidden_size * dtype.itemsize
-        self.homes = [{t: (mem.alloc(t, n * per_row), Tracked())
-                       for t, n in self.split.items() if n > 0 and t != "gpu"}
-                      for _ in range(policy.num_gpu_batches)]
-        self._stored: dict[int, _Stored] = {}
-        self._loaded: dict[int, tuple[int, torch.Tensor, list[Event]]] = {}
+        self.split = split
+        self.homes = {key: {t: (mem.alloc(t, n * row_bytes), Tracked())
+                            for t, n in split.items() if n > 0 and t != "gpu"} for key in keys}
+        self._stored: dict[Hashable, _Stored] = {}
+        self._loaded: dict[Hashable, tuple[Any, torch.Tensor, list[Event]]] = {}
 
     @property
     def all_gpu(self) -> bool:
         return self.split["gpu"] == sum(self.split.values())
 
-    def put(self, kb: int, j: int, h: torch.Tensor, ev: Event) -> None:
-        """Keep the output h (n, s, hidden) of layer j for batch kb until layer j + 1."""
-        st = _Stored(j, tuple(h.shape), None, ev)
+    def put(self, key: Hashable, h: torch.Tensor, tag: Any, ev: Event) -> None:
+        """Keep h, which compute produced by `ev`, under key."""
+        st = _Stored(tag, tuple(h.shape), None, ev)
         for tier, r0, r1 in row_segments(h.shape[0], self.split):
             if tier == "gpu":
                 st.gpu = h[r0:r1] if r1 - r0 < h.shape[0] else h
                 continue
-            buf, track = self.homes[kb][tier]
+            buf, track = self.homes[key][tier]
             part = span_of(h[r0:r1])
             cp = self.mover.copy(Span(buf, 0, part.nbytes), part, [ev] + track.claim(), lane="store")
             track.wrote(cp)
-            track.tag = j
-        self._stored[kb] = st
-        self._loaded.pop(kb, None)
+            track.tag = tag
+        self._stored[key] = st
+        self._loaded.pop(key, None)
 
-    def holds(self, kb: int, j: int) -> bool:
-        """Whether batch kb's stored hidden state is layer j's output."""
-        st = self._stored.get(kb)
-        return st is not None and st.layer == j
+    def holds(self, key: Hashable, tag: Any) -> bool:
+        st = self._stored.get(key)
+        return st is not None and st.tag == tag
 
-    def prefetch(self, kb: int, j: int) -> None:
-        """Start assembling the input of layer j for batch kb on the compute device."""
-        st = self._stored[kb]
-        assert st.layer == j - 1, f"batch {kb}: holds layer {st.layer}'s output, layer {j} needs {j - 1}'s"
-        if kb in self._loaded or self.all_gpu:
+    def prefetch(self, key: Hashable, tag: Any) -> None:
+        """Start assembling the tensor under key, which must be `tag`, on the compute device."""
+        st = self._stored[key]
+        assert st.tag == tag, f"{key}: holds {st.tag}, {tag} was asked for"
+        if key in self._loaded or self.all_gpu:
             return
         out = torch.empty(st.shape, dtype=self.dtype, device=self.device)
         evs = []
@@ -85,25 +94,62 @@ class HiddenStore:
             if tier == "gpu":
                 evs.append(self.mover.copy(dst, span_of(st.gpu), [st.ev], lane="load"))
                 continue
-            buf, track = self.homes[kb][tier]
-            assert track.tag == j - 1
+            buf, track = self.homes[key][tier]
+            assert track.tag == tag
             ev = self.mover.copy(dst, Span(buf, 0, dst.nbytes), track.read_deps(), lane="load")
             track.was_read(ev)
             evs.append(ev)
-        self._loaded[kb] = (j, out, evs)
+        self._loaded[key] = (tag, out, evs)
 
-    def take(self, kb: int, j: int) -> tuple[torch.Tensor, list[Event]]:
-        """The input of layer j for batch kb and the events compute must wait for."""
+    def take(self, key: Hashable, tag: Any) -> tuple[torch.Tensor, list[Event]]:
+        """The tensor under key (which must be `tag`) and the events compute must wait for."""
         if self.all_gpu:
-            st = self._stored[kb]
-            assert st.layer == j - 1
-            return st.gpu, []
-        self.prefetch(kb, j)
-        lj, out, evs = self._loaded.pop(kb)
-        assert lj == j
+            st = self._stored[key]
+            assert st.tag == tag, f"{key}: holds {st.tag}, {tag} was asked for"
+            return st.gpu, []  # made on the compute stream, which reads it
+        RowStore.prefetch(self, key, tag)  # the keyed form, not a subclass's
+        got, out, evs = self._loaded.pop(key)
+        assert got == tag
         return out, evs
 
     def clear(self) -> None:
         """Drop what the last block left (its device tensors)."""
         self._stored.clear()
         self._loaded.clear()
+
+
+class HiddenStore(RowStore):
+    """Each GPU batch's hidden state between layers: the output of layer j, input of j + 1."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, policy: Policy, mem: Ledger,
+                 lanes: Lanes, mover: Mover, max_prompt: int):
+        split = row_split(policy.gpu_batch_size, policy.act_gpu_percent, policy.act_cpu_percent)
+        super().__init__(range(policy.num_gpu_batches), split, max_prompt * spec.hidden_size * dtype.itemsize,
+                         dtype, mem, lanes, mover)
+
+    def put(self, kb: int, j: int, h: torch.Tensor, ev: Event) -> None:  # type: ignore[override]
+        """Keep the output h (n, s, hidden) of layer j for batch kb until layer j + 1."""
+        super().put(kb, h, j, ev)
+
+    def holds(self, kb: int, j: int) -> bool:  # type: ignore[override]
+        """Whether batch kb's stored hidden state is layer j's output."""
+        return super().holds(kb, j)
+
+    def prefetch(self, kb: int, j: int) -> None:  # type: ignore[override]
+        """Start assembling the input of layer j for batch kb on the compute device."""
+        super().prefetch(kb, j - 1)
+
+    def take(self, kb: int, j: int) -> tuple[torch.Tensor, list[Event]]:  # type: ignore[override]
+        """The input of layer j for batch kb and the events compute must wait for."""
+        return super().take(kb, j - 1)
+
+
+class Stash(RowStore):
+    """A training window's layer inputs, per (layer, batch), placed as the policy's stash split
+    says, kept from the layer's forward step to its backward step."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, policy: Policy, mem: Ledger,
+                 lanes: Lanes, mover: Mover, max_tokens: int):
+        split = row_split(policy.gpu_batch_size, policy.stash_gpu_percent, policy.stash_cpu_percent)
+        keys = [(j, k) for j in range(1, len(spec.layers)) for k in range(policy.num_gpu_batches)]
+        super().__init__(keys, split, max_tokens * spec.hidden_size * dtype.itemsize, dtype, mem, lanes, mover)

@@ -51,6 +51,14 @@ class PlainKV:
         x[:, :, 0] = k.permute(2, 0, 1, 3)
         x[:, :, 1] = v.permute(2, 0, 1, 3)
 
+    def write_at(self, buf: torch.Tensor, rows: int, tokens: int, t: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> None:
+        """Store one token's k, v (rows, kv_heads, 1, head_dim) at position t, a (1,) int64 tensor
+        on the buffer's device (no host value: a CUDA graph replays it at every position), in a
+        buffer laid out for `tokens` positions."""
+        x = self._view(buf, rows, tokens)  # (tokens, rows, 2, kvh, d)
+        x.index_copy_(0, t, torch.stack((k, v), dim=1).permute(3, 0, 1, 2, 4))
+
     def read(self, buf: torch.Tensor, rows: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of tokens 0 .. t as strided (rows, kv_heads, t, head_dim) views."""
         x = self._view(buf, rows, t)

@@ -83,10 +83,13 @@ class ThreadLane:
         def task() -> Any:
             for d in deps:
                 d.wait_host()
-            if not _marked:
-                return fn()
-            with torch.profiler.record_function(self._mark):
-                return fn()
+            # inference mode is per thread: the lane may write into the block's tensors, which
+            # the scheduling thread made under it (it changes nothing for other tensors)
+            with torch.inference_mode():
+                if not _marked:
+                    return fn()
+                with torch.profiler.record_function(self._mark):
+                    return fn()
 
         self.last = Event(fut=self._pool.submit(task))
         return self.last

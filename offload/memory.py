@@ -20,16 +20,15 @@ import torch
 
 from flexoff.errors import MemoryBudgetError
 from flexoff.models.spec import ModelSpec
-from flexoff.offload.activations import act_bytes
+from flexoff.offload.activations import act_bytes, stash_bytes
 from flexoff.offload.kvcache import kv_bytes
 from flexoff.offload.layout import Layout
 from flexoff.offload.mover import CHUNK
 from flexoff.offload.placement import TIERS
 from flexoff.offload.tiers import GiB, Budgets
 from flexoff.offload.weights import plan_weights, weight_bytes
-from flexoff.policy.policy import Policy, weight_slots
+from flexoff.policy.policy import GPU_RESERVE, Policy, weight_slots
 
-GPU_RESERVE = 1 << 30  # CUDA allocator slack and fragmentation
 HOST_IO_SETS = 2  # CPU attention's pinned buffer sets: one call's copies overlap the last's attention
 
 
@@ -52,15 +51,19 @@ class MemoryPlan:
 
 
 def plan_memory(spec: ModelSpec, layouts: list[Layout], kv_rec_bytes: int, policy: Policy,
-                max_prompt: int, max_gen: int, dtype: torch.dtype, cuda: bool) -> MemoryPlan:
+                max_prompt: int, max_gen: int, dtype: torch.dtype, cuda: bool, training: bool = False) -> MemoryPlan:
+    """What each tier holds for a policy; with `training`, windows of up to max_prompt tokens
+    also stash every layer's input for the reverse sweep."""
     elem = dtype.itemsize
     plan = MemoryPlan()
     plan.add("weights", weight_bytes(plan_weights(layouts, policy), weight_slots(policy.cpu_cache_compute)))
     plan.add("kv cache", kv_bytes(spec, kv_rec_bytes, policy, max_prompt + max_gen))
     plan.add("activations", act_bytes(spec, elem, policy, max_prompt))
+    if training:
+        plan.add("stash", stash_bytes(spec, elem, policy, max_prompt))
     pinned = 4 * CHUNK if (cuda and plan.total("disk") > 0) else 0  # disk bounce buffers
     if policy.cpu_cache_compute and cuda:
-        # CPU attention's sets of q, k, v and output buffers (offload.engine._HostIO)
+        # CPU attention's sets of q, k, v and output buffers (offload.host_io.HostIO)
         per_set = 2 * (spec.num_heads + spec.num_kv_heads) * spec.head_dim * policy.gpu_batch_size * elem
         pinned += HOST_IO_SETS * per_set
     plan.add("buffers", {"cpu": pinned})

@@ -1,45 +1,88 @@
-"""FlexGen's zig-zag block schedule as one iterator.
+"""A block's work as data: the steps of FlexGen's zig-zag schedule, forward and reverse.
 
-Knows: the order in which (token step i, layer j, GPU batch k) squares are
-computed, and what comes next (to prefetch) with the wrap-around from the
-last batch to the next layer and from the last layer to the next token; and
-one departure from it, for layers the caller names "early": in decode steps
+Knows: the order in which (sweep i, layer j, GPU batch k) squares are computed, in
+forward sweeps (layers 0 .. L-1: a token step of inference, a training window's
+forward) and reverse sweeps (layers L-1 .. 0: a training window's backward); what
+comes next (whose KV cache and input to load) with the wrap-around from the last
+batch to the next layer and from a sweep's last layer to the next sweep; which
+layers' weights to start loading at each step (the next ones in the order the
+schedule itself will need them, so a reverse sweep prefetches downwards); and one
+departure from the zig-zag, for layers the caller names "early": in decode steps
 the first batch of such a layer runs before the last batch of the layer before.
-Does not know: what a square does.
+Does not know: what a square does (each layer kind's forward and backward do).
 """
 
 from __future__ import annotations
 
-from typing import Collection, Iterator, NamedTuple
+from typing import Collection, Iterator, NamedTuple, Sequence
 
 
 class Step(NamedTuple):
-    i: int  # token step (0 is the prefill)
+    i: int  # sweep: token step (0 is the prefill) or training window
     j: int  # layer
     k: int  # GPU batch within the block
+    backward: bool = False  # a reverse sweep's step (vector-Jacobian product) or a forward one
+
+
+class Sweep(NamedTuple):
+    i: int  # token step or window
+    backward: bool = False
+
+
+class Plan(NamedTuple):
+    """One step of a block and what to issue with it."""
+
+    step: Step
+    next: Step | None  # the step after it (its KV cache and input are loaded now); None at the end
+    stage: tuple[int, ...]  # layers whose weights start loading now, in the order they will be needed
+
+
+def forward_sweeps(gen_len: int) -> list[Sweep]:
+    """Inference: one forward sweep per token step."""
+    return [Sweep(i) for i in range(gen_len)]
+
+
+def training_sweeps(windows: int) -> list[Sweep]:
+    """Training: each window's forward sweep, then its reverse sweep."""
+    return [s for w in range(windows) for s in (Sweep(w), Sweep(w, True))]
+
+
+def block_plan(sweeps: Sequence[Sweep], num_layers: int, num_batches: int, *, early: Collection[int] = (),
+               ahead: int = 1, at: int = 0) -> Iterator[Plan]:
+    """The block's steps, sweep by sweep, layer by layer, batch by batch: the weights of layer j
+    are loaded once per sweep for all batches. At batch `at` of each layer, the weights of the
+    `ahead` layers that come next in the schedule (into the next sweep too) start loading.
+
+    In decode steps (forward sweeps i >= 1) with two or more batches, layer j in `early` starts
+    before layer j - 1 ends: (j, 0) comes just before (j - 1, last batch). Batch 0's input is
+    ready by then, so work that waits on the last batch of layer j - 1 (CPU attention
+    finishing, say) need not hold up the start of layer j."""
+    L = num_layers
+    layers = [j for s in sweeps for j in _layers(s, L)]  # the block's layers in the order they run
+    steps = [(n, st) for n, s in enumerate(sweeps) for st in _order(s, L, num_batches, early)]
+    at = min(at, num_batches - 1)
+    for m, (n, st) in enumerate(steps):
+        pos = n * L + (L - 1 - st.j if st.backward else st.j)  # this layer's place in `layers`
+        stage = tuple(layers[pos + 1:pos + 1 + ahead]) if st.k == at else ()
+        yield Plan(st, steps[m + 1][1] if m + 1 < len(steps) else None, stage)
+
+
+def _layers(sweep: Sweep, num_layers: int) -> range:
+    return range(num_layers - 1, -1, -1) if sweep.backward else range(num_layers)
+
+
+def _order(sweep: Sweep, num_layers: int, num_batches: int, early: Collection[int]) -> list[Step]:
+    order = [Step(sweep.i, j, k, sweep.backward) for j in _layers(sweep, num_layers) for k in range(num_batches)]
+    if not sweep.backward and sweep.i >= 1 and num_batches >= 2:
+        for j in sorted(early):
+            if 1 <= j < num_layers:
+                a = j * num_batches - 1  # (j - 1, K - 1), followed by (j, 0)
+                order[a], order[a + 1] = order[a + 1], order[a]
+    return order
 
 
 def zigzag(gen_len: int, num_layers: int, num_batches: int,
            early: Collection[int] = ()) -> Iterator[tuple[Step, Step | None]]:
-    """Yield (step, next step or None at the end), token by token, layer by layer,
-    batch by batch: the weights of layer j are loaded once per token for all batches.
-
-    In decode steps (i >= 1) with two or more batches, layer j in `early` starts before
-    layer j - 1 ends: (j, 0) comes just before (j - 1, last batch). Batch 0's input is ready
-    by then, so work that waits on the last batch of layer j - 1 (CPU attention finishing,
-    say) need not hold up the start of layer j."""
-    K = num_batches
-    prev: Step | None = None
-    for i in range(gen_len):
-        order = [Step(i, j, k) for j in range(num_layers) for k in range(K)]
-        if i >= 1 and K >= 2:
-            for j in sorted(early):
-                if 1 <= j < num_layers:
-                    a = j * K - 1  # (j - 1, K - 1), followed by (j, 0)
-                    order[a], order[a + 1] = order[a + 1], order[a]
-        for cur in order:
-            if prev is not None:
-                yield prev, cur
-            prev = cur
-    if prev is not None:
-        yield prev, None
+    """Inference's (step, next step) pairs: the forward sweeps of block_plan."""
+    for p in block_plan(forward_sweeps(gen_len), num_layers, num_batches, early=early, ahead=0):
+        yield p.step, p.next

@@ -35,12 +35,11 @@ from typing import Any, Mapping
 
 from flexoff.models.spec import ModelSpec
 from flexoff.policy.hardware import Hardware
-from flexoff.policy.policy import weight_slots
+from flexoff.policy.policy import GPU_RESERVE, weight_slots
 from flexoff.quant.sizes import kv_config, kv_record_bytes, layer_bytes, weight_config
 
 VARS = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd")
 KINDS = ("embed", "attn", "mlp", "head")
-GPU_RESERVE = 1 << 30  # the engine's CUDA allocator slack (offload/memory.py)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import Any
 
 from flexoff.errors import PolicyError
 
+GPU_RESERVE = 1 << 30  # GPU bytes left to the CUDA allocator's slack and fragmentation (plan and cost model)
 PERCENT_FIELDS = ("w_gpu_percent", "w_cpu_percent", "cache_gpu_percent",
                   "cache_cpu_percent", "act_gpu_percent", "act_cpu_percent")
 
@@ -42,17 +43,19 @@ class Policy:
     overlap: bool = True  # overlap transfers with compute
     quant_bits: int = 4  # bits per value when compressing
     quant_group: int = 64  # values per group when compressing
+    stash_gpu_percent: float = 100.0  # training: % of each batch's stashed layer inputs on the GPU
+    stash_cpu_percent: float = 0.0  # ... on the CPU; the rest on disk
 
     def __post_init__(self) -> None:
         for name in ("gpu_batch_size", "num_gpu_batches"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise PolicyError(f"{name} must be a positive integer, got {v!r}")
-        for name in PERCENT_FIELDS:
+        for name in PERCENT_FIELDS + ("stash_gpu_percent", "stash_cpu_percent"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 100:
                 raise PolicyError(f"{name} must be a number from 0 to 100, got {v!r}")
-        for what in ("w", "cache", "act"):
+        for what in ("w", "cache", "act", "stash"):
             total = getattr(self, f"{what}_gpu_percent") + getattr(self, f"{what}_cpu_percent")
             if total > 100 + 1e-9:
                 raise PolicyError(f"{what}_gpu_percent + {what}_cpu_percent is {total:g}, over 100")

@@ -173,6 +173,12 @@ class Llama:
         self.max_positions = cfg.max_positions
         self.scale = cfg.head_dim**-0.5
         self.inv_freq, self.rope_scale = rope_frequencies(cfg)
+        self._inv_on: dict[torch.device, torch.Tensor] = {}  # inv_freq per device, copied once
+
+    def _inv_freq(self, device: torch.device) -> torch.Tensor:
+        if device not in self._inv_on:  # not per call: a CUDA graph cannot capture a host copy
+            self._inv_on[device] = self.inv_freq.to(device)
+        return self._inv_on[device]
 
     def check_length(self, total: int) -> None:
         """Raise if a sequence of `total` tokens needs features we do not implement."""
@@ -228,7 +234,7 @@ class Llama:
 
         q, k = heads("q_proj", self.num_heads), heads("k_proj", self.num_kv_heads)
         v = heads("v_proj", self.num_kv_heads)
-        freqs = pos[:, None, :, None].float() * self.inv_freq.to(h.device)  # (b, 1, s, d/2)
+        freqs = pos[:, None, :, None].float() * self._inv_freq(h.device)  # (b, 1, s, d/2)
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.rope_scale).to(h.dtype)
         sin = (emb.sin() * self.rope_scale).to(h.dtype)

@@ -1,0 +1,291 @@
+"""Each layer kind's work on one step of a block: a forward and a backward.
+
+Knows: for `embed`, `attn`, `mlp` and `head` layers, what a forward step loads, computes and
+stores (FlexGen's loop: load weight, load cache, load activation, compute, store activation,
+store cache), including decode attention on the CPU next to a CPU-resident cache; what a
+backward step computes: the vector-Jacobian product of the layer with respect to its input,
+recomputed inside the layer from its stashed input (nothing else of the forward is kept),
+through frozen weights (no gradient is ever formed for a base weight).
+Does not know: the order of steps (offload.schedule), where tensors live (the stores do).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Mapping
+
+import torch
+
+from flexoff.models.attention import attend, attend_cached
+from flexoff.models.base import materialize
+from flexoff.offload.block import BlockRun, Pending, vjp
+from flexoff.offload.lanes import DONE, Event
+from flexoff.offload.schedule import Step
+
+if TYPE_CHECKING:
+    from flexoff.offload.engine import Engine
+
+
+@dataclass
+class LeanStep:
+    """A decode token step of one batch whose weights, cache and activations are all on the
+    compute device (offload.lean): fixed shapes, positions as device tensors."""
+    k: int  # GPU batch
+    n: int  # its rows
+    T: int  # cache positions attended over: the block's prompt and generated tokens
+    ids: torch.Tensor  # (n, 1) the previous step's tokens
+    pos: torch.Tensor  # (n, 1) their positions
+    t: torch.Tensor  # (1,) int64: the new token's place in the cache
+    mask: torch.Tensor  # (n, 1, T) bool: cache positions each row attends to
+
+
+def dense(w: Mapping[str, Any]) -> dict[str, Any]:
+    """Weights that autograd can differentiate through (compressed ones dequantized)."""
+    return {n: materialize(v) for n, v in w.items()}
+
+
+class LayerOp:
+    """The steps of one layer j. Subclasses say what their compute is."""
+
+    def __init__(self, engine: "Engine", j: int):
+        self.e, self.j = engine, j
+
+    # ---- shared plumbing -------------------------------------------------------------------
+    def load(self, run: BlockRun, prev: Step, step: Step) -> None:
+        """Start loading what `step` reads, while `prev` computes: its input (forward) or its
+        stashed input (backward); attention adds its KV cache."""
+        e = self.e
+        if step.backward:
+            if self.j >= 1:
+                e.stash.prefetch((self.j, step.k), step.i)
+        elif step.j >= 1 and step.k != prev.k and e.hidden.holds(step.k, step.j - 1):
+            # not for the same batch: its input is what `prev` produces
+            e.hidden.prefetch(step.k, step.j)
+
+    def _inputs(self, run: BlockRun, step: Step) -> tuple[Mapping[str, Any], torch.Tensor]:
+        """Layer j's weights and input for this batch, the compute stream waiting for both; in a
+        training window the input is also stashed for the reverse sweep."""
+        e = self.e
+        w, deps = self._weights(run)
+        h, hdeps = e.hidden.take(step.k, self.j)
+        e.lanes.compute.wait(deps + hdeps)
+        if run.training:
+            e.stash.put((self.j, step.k), h, step.i, e.lanes.compute.mark())
+        return w, h
+
+    def _output(self, step: Step, h: torch.Tensor) -> None:
+        """Store this layer's output for the batch's next layer; the weights were read until now."""
+        ev = self.e.lanes.compute.mark()
+        self.e.weights.was_read(self.j, ev)
+        self.e.hidden.put(step.k, self.j, h, ev)
+
+    def _weights(self, run: BlockRun) -> tuple[Mapping[str, Any], list[Event]]:
+        self.e.stage(run, self.j)  # a no-op if staged already
+        return self.e.weights.get(self.j)
+
+    def forward(self, run: BlockRun, step: Step) -> None:
+        w, h = self._inputs(run, step)
+        self._output(step, self.compute(run, step, w, h))
+
+    def backward(self, run: BlockRun, step: Step) -> None:
+        """run.grads[k] is d loss / d (this layer's output); leaves d loss / d (its input)."""
+        e = self.e
+        w, deps = self._weights(run)
+        x, sdeps = e.stash.take((self.j, step.k), step.i)
+        e.lanes.compute.wait(deps + sdeps)
+        g = run.grads[step.k]
+        wd = dense(w)
+        run.grads[step.k] = vjp(lambda h: self.window(run, step, wd, h), x, g)
+        e.weights.was_read(self.j, e.lanes.compute.mark())
+
+    def compute(self, run: BlockRun, step: Step, w: Mapping[str, Any], h: torch.Tensor) -> torch.Tensor:
+        return self.window(run, step, w, h)
+
+    def window(self, run: BlockRun, step: Step, w: Mapping[str, Any], h: torch.Tensor) -> torch.Tensor:
+        """The layer over a whole window of tokens, no cache involved (training)."""
+        raise NotImplementedError
+
+    def lean(self, ls: LeanStep, h: torch.Tensor | None) -> torch.Tensor:
+        """A resident decode step: the layer's output (the head's: logits (n, vocab))."""
+        raise NotImplementedError
+
+
+class EmbedOp(LayerOp):
+    def forward(self, run: BlockRun, step: Step) -> None:
+        w, deps = self._weights(run)
+        self.e.lanes.compute.wait(deps)
+        ids, pos = run.states[step.k].inputs(step.i if not run.training else 0)
+        self._output(step, self.e.fam.embed(w, ids, pos))
+
+    def backward(self, run: BlockRun, step: Step) -> None:
+        """The sweep's end: run.grads[k] stays d loss / d (the embedding's output)."""
+
+    def lean(self, ls: LeanStep, h: torch.Tensor | None) -> torch.Tensor:
+        return self.e.fam.embed(self.e.weights.get(self.j)[0], ls.ids, ls.pos)
+
+
+class MlpOp(LayerOp):
+    def window(self, run: BlockRun, step: Step, w: Mapping[str, Any], h: torch.Tensor) -> torch.Tensor:
+        return self.e.fam.mlp(w, h)
+
+    def lean(self, ls: LeanStep, h: torch.Tensor | None) -> torch.Tensor:
+        return self.e.fam.mlp(self.e.weights.get(self.j)[0], h)
+
+
+class HeadOp(LayerOp):
+    def forward(self, run: BlockRun, step: Step) -> None:
+        e = self.e
+        w, h = self._inputs(run, step)
+        run.tasks[step.k].forward(e.fam, w, h, run.states[step.k], step.i)
+        e.weights.was_read(self.j, e.lanes.compute.mark())
+
+    def backward(self, run: BlockRun, step: Step) -> None:
+        e = self.e
+        w, deps = self._weights(run)
+        x, sdeps = e.stash.take((self.j, step.k), step.i)
+        e.lanes.compute.wait(deps + sdeps)
+        run.grads[step.k] = run.tasks[step.k].backward(e.fam, dense(w), x, run.states[step.k])
+        e.weights.was_read(self.j, e.lanes.compute.mark())
+
+    def lean(self, ls: LeanStep, h: torch.Tensor | None) -> torch.Tensor:
+        return self.e.fam.head(self.e.weights.get(self.j)[0], h)[:, 0]  # (n, vocab)
+
+
+class AttnOp(LayerOp):
+    def __init__(self, engine: "Engine", j: int):
+        super().__init__(engine, j)
+        self.li = engine.kv.layer_index[j]
+
+    def load(self, run: BlockRun, prev: Step, step: Step) -> None:
+        if not step.backward and step.i >= 1 and not run.training:
+            st = run.states[step.k]
+            self.e.kv.load(self.li, step.k, st.n, st.S + step.i - 1)
+        super().load(run, prev, step)
+
+    def window(self, run: BlockRun, step: Step, w: Mapping[str, Any], h: torch.Tensor) -> torch.Tensor:
+        fam, st = self.e.fam, run.states[step.k]
+        q, k, v = fam.attn_in(w, h, st.pos0)
+        return fam.attn_out(w, h, attend(q, k, v, st.mask0, fam.scale))
+
+    def lean(self, ls: LeanStep, h: torch.Tensor | None) -> torch.Tensor:
+        e = self.e
+        fam, codec, w = e.fam, e.kv.codec, e.weights.get(self.j)[0]
+        q, k, v = fam.attn_in(w, h, ls.pos)
+        buf = e.kv.homes[self.li][ls.k]["gpu"].buf
+        codec.write_at(buf, ls.n, ls.T, ls.t, k, v)
+        return fam.attn_out(w, h, attend(q, *codec.read(buf, ls.n, ls.T), ls.mask, fam.scale))
+
+    def forward(self, run: BlockRun, step: Step) -> None:
+        if step.i >= 1 and not run.training:  # a CPU attention call takes the next buffer set
+            run.finish_where(lambda c: c.buffers == self.e.host_io.next)
+        w, h = self._inputs(run, step)
+        if run.training:
+            self._output(step, self.window(run, step, w, h))
+            return
+        cont = self._attention(run, step, w, h)
+        if cont is not None:
+            run.pending.append(cont)
+
+    def _attention(self, run: BlockRun, step: Step, w: Mapping[str, Any], h: torch.Tensor) -> Pending | None:
+        e = self.e
+        i, j, k = step.i, step.j, step.k
+        st = run.states[k]
+        fam, kv, li = e.fam, e.kv, self.li
+        q, kk, vv = fam.attn_in(w, h, st.inputs(i)[1])
+        if i == 0:  # prefill: store the keys, attend over them as stored (a lossy codec's values)
+            kv.store_prompt(li, k, st.n, kk, vv, e.lanes.compute.mark())
+            o = attend(q, *kv.codec.roundtrip(kk, vv), st.mask0, fam.scale)
+            self._output(step, fam.attn_out(w, h, o))
+            return None
+        t = st.S + i - 1  # position of the new token
+        mask = st.valid[:, None, :t + 1]
+        outs: list[Any] = []
+        cpu: tuple[Event, dict[str, Any]] | None = None
+        for tier, r0, r1 in kv.segments(st.n):
+            if tier == "cpu" and kv.cpu_compute:
+                cpu = self._cpu_attention(run, k, q[r0:r1], kk[r0:r1], vv[r0:r1], r0, r1, t)
+                outs.append(None)
+                continue
+            buf, deps = kv.device_buffer(li, k, st.n, tier, t)
+            e.lanes.compute.wait(deps)
+            kv.codec.write(buf, r1 - r0, t, kk[r0:r1], vv[r0:r1])
+            K, V = kv.codec.read(buf, r1 - r0, t + 1)
+            outs.append(attend(q[r0:r1], K, V, mask[r0:r1], fam.scale))
+            if tier != "gpu":
+                kv.stored_new_token(li, k, tier, r1 - r0, t, e.lanes.compute.mark())
+        kv.release(li, k)
+
+        def finish() -> None:
+            if cpu is not None:
+                ev, box = cpu
+                ev.wait_host()
+                outs[outs.index(None)] = e.host_io.fetch(box["set"], box["o"])
+            o = outs[0] if len(outs) == 1 else torch.cat(outs)
+            self._output(step, fam.attn_out(w, h, o))
+
+        if cpu is None:
+            finish()
+            return None
+        return Pending(k, j, cpu[1]["set"], finish)
+
+    def _cpu_attention(self, run: BlockRun, kb: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       r0: int, r1: int, t: int) -> tuple[Event, dict[str, Any]]:
+        """Decode attention for CPU-resident rows on the CPU lane: an event for its output
+        (rows, heads, 1, d), which is box["o"] once the event resolves (staged in buffer set
+        box["set"], for host_io.fetch)."""
+        e = self.e
+        st = run.states[kb]
+        seg, codec, io, kv = e.kv.homes[self.li][kb]["cpu"], e.kv.cpu_codec, e.host_io, e.kv
+        rows, scale, timing = r1 - r0, e.fam.scale, e.timing
+        mask = st.valid_host[r0:r1, None, :t + 1]
+        cap = kv.split["cpu"]
+        threads = e.cpu_threads
+        lanes, buf, free = e.lanes, *io.take()
+        box: dict[str, Any] = {"set": buf}  # "o": the output, put there by attention()
+
+        def down() -> list[torch.Tensor]:
+            t0 = time.perf_counter()
+            out = io.to_host(buf, q, k, v)
+            timing["cpu_attention_down_s"] += time.perf_counter() - t0
+            return out
+
+        def attention() -> Event:
+            if threads and torch.get_num_threads() != threads:  # per thread: set on the lane's own
+                torch.set_num_threads(threads)
+            qh, kh, vh = got.result()
+            t0 = time.perf_counter()
+            if run.cpu_free_at is not None:  # the lane's idle time since its last call, by where
+                timing["cpu_attention_idle_layer_s" if kb == 0 else "cpu_attention_idle_batch_s"] += \
+                    t0 - run.cpu_free_at
+            if kv.head_major:  # the prompt area, then the generated tokens so far
+                o = attend_cached(qh, codec.prompt(seg.buf, rows, st.S), codec.generated(seg.buf, rows, cap),
+                                  (kh, vh), t - st.S, mask, scale)
+            else:
+                codec.write(seg.buf, rows, t, kh, vh)
+                o = attend(qh, *codec.read(seg.buf, rows, t + 1), mask, scale)
+            t1 = time.perf_counter()
+            timing["cpu_attention_compute_s"] += t1 - t0
+            timing["cpu_attention_calls"] += 1
+            box["o"] = io.stage(buf, o)
+            run.cpu_free_at = time.perf_counter()
+            timing["cpu_attention_stage_s"] += run.cpu_free_at - t1
+            return DONE
+
+        # the down and attention lanes: a call's input copies overlap the attention of the call
+        # before it; `done` resolves once its output is staged
+        e.cpu_attention_bytes += rows * (t + 1) * kv.codec.rec_bytes
+        got = lanes.cpu_down.run(down, [lanes.compute.mark()] + free)
+        done = lanes.cpu.run(attention, [got] + seg.track.claim())
+        seg.track.wrote(done)
+        seg.track.tag = t + 1
+        io.free[buf] = [done]  # its q, k, v read (fetch adds the read of its output)
+        return done, box
+
+
+OPS = {"embed": EmbedOp, "attn": AttnOp, "mlp": MlpOp, "head": HeadOp}
+
+
+def layer_ops(engine: "Engine") -> list[LayerOp]:
+    """One op per layer of the engine's model, by its kind."""
+    return [OPS[layer.kind](engine, j) for j, layer in enumerate(engine.spec.layers)]
