@@ -18,6 +18,9 @@
 #                                                   # searched and predicted with the host step
 #   PHASE=K bash benchmarks/device_measure.sh OUT   # profiler traces of 8x4 and 16x3 with CPU attention
 #   PHASE=T bash benchmarks/device_measure.sh OUT   # GPU tests only
+#   PHASE=R bash benchmarks/device_measure.sh OUT   # GPU tests; GPU-resident llama-7b at batch 8, 32, 128:
+#                                                   # lean path with and without graphs, the scheduled
+#                                                   # loop, transformers generate; OPT-30B 16x3 on CPU
 #   PHASE=E bash benchmarks/device_measure.sh OUT   # GPU tests; CPU-attention shapes; timelines of a
 #                                                   # CPU-attention and the compressed policy
 # Predictions use benchmarks/data/h200-measured.json (flexoff profile on the device, with CPU attention
@@ -109,6 +112,13 @@ case "${PHASE:-A}" in
      done ;;
   T) echo "=== gpu tests ($(date +%T))"
      timeout 180 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log" ;;
+  R) echo "=== gpu tests ($(date +%T))"
+     timeout 150 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
+     echo "=== resident llama-7b ($(date +%T))"
+     timeout 300 python3 benchmarks/resident.py --out "$OUT/resident.jsonl" 2>&1 | grep -v "^\s*$" | tail -24
+     echo "=== opt-30b 16x3, weights and cache on CPU ($(date +%T))"
+     timeout 130 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW \
+       --policy "16x3:0,100,0,100,100,0:a" --out "$OUT/cpu" 2>&1 | grep -v "^\s*$" | grep -v "^---" | tail -4 ;;
   E) echo "=== gpu tests ($(date +%T))"
      timeout 180 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
      echo "=== opt-30b, weights and cache on CPU ($(date +%T))"

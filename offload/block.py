@@ -105,7 +105,8 @@ class LossTask:
         self.loss: torch.Tensor | None = None  # the scaled loss, a device scalar, after forward
 
     def _loss(self, fam: Family, w: Weights, h: torch.Tensor) -> torch.Tensor:
-        logits = fam.head(w, h).float()  # (n, s, vocab)
+        logits = fam.head(w, h)  # (n, s, vocab), at least float32
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         return F.cross_entropy(logits.flatten(0, 1), self.labels.flatten(), ignore_index=IGNORE,
                                reduction="sum") * self.scale
 

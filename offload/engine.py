@@ -227,7 +227,7 @@ class Engine:
             step = plan.step
             run.finish_where(lambda c: c.k == step.k)  # this batch's input
             if p.overlap:
-                for j in plan.stage:  # weights
+                for j in (step.j,) + plan.stage:  # weights: this layer's (kept), the next ones'
                     self.stage(run, j)
                 if plan.next is not None:  # the next step's cache and activations
                     self.ops[plan.next.j].load(run, step, plan.next)

@@ -57,7 +57,7 @@ class LayerOp:
         stashed input (backward); attention adds its KV cache."""
         e = self.e
         if step.backward:
-            if self.j >= 1:
+            if self.j >= 1 and e.stash.holds((self.j, step.k), step.i):  # not if `prev` stashes it
                 e.stash.prefetch((self.j, step.k), step.i)
         elif step.j >= 1 and step.k != prev.k and e.hidden.holds(step.k, step.j - 1):
             # not for the same batch: its input is what `prev` produces

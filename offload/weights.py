@@ -59,6 +59,8 @@ class _Slot:
     def __init__(self, buf: torch.Tensor):
         self.buf = buf
         self.track = Tracked()  # tag: the layer it holds
+        # (whether staged and not yet read, when last staged or read): the smallest is refilled
+        self.used: tuple[int, int] = (0, -1)
 
 
 class WeightStore:
@@ -73,7 +75,7 @@ class WeightStore:
         self.homes: list[dict[str, Any]] = [{} for _ in layers]  # allocated as each layer is filled
         slot_bytes = max((s.n - s.stage for s in self.splits), default=0)
         self.slots = [_Slot(self.mem.alloc("gpu", slot_bytes)) for _ in range(weight_slots(policy.cpu_cache_compute))] if slot_bytes else []
-        self._next_slot = 0
+        self._clock = 0  # counts slot uses
         self._in_slot: dict[int, int] = {}  # layer -> slot holding it
         self._views: dict[tuple[int, int], dict[str, Any]] = {}
         self.lanes: Lanes | None = None
@@ -84,6 +86,7 @@ class WeightStore:
         self.lanes, self.mover = lanes, mover
         for slot in self.slots:
             slot.track = Tracked()
+            slot.used = (0, -1)
         self._in_slot.clear()
 
     def matches(self, fmt: WeightFormat, policy: Policy) -> bool:
@@ -148,11 +151,14 @@ class WeightStore:
     def prefetch(self, j: int) -> None:
         """Start copying layer j's non-resident bytes into a GPU slot."""
         s = self.splits[j]
-        if s.resident or j in self._in_slot:
+        if s.resident:
             return
-        idx = self._next_slot
-        self._next_slot = (idx + 1) % len(self.slots)
+        if j in self._in_slot:  # asked for again: needed now, kept
+            self._touch(self._in_slot[j], staged=True)
+            return
+        idx = self._victim()
         slot = self.slots[idx]
+        self._touch(idx, staged=True)
         if slot.track.tag is not None:
             self._in_slot.pop(slot.track.tag, None)
         deps = slot.track.claim()
@@ -166,11 +172,21 @@ class WeightStore:
                 ev = self.mover.copy(Span(slot.buf, lo - s.stage, hi - lo), src, deps, lane="load")
                 slot.track.wrote(ev)
 
+    def _victim(self) -> int:
+        """The slot a new layer goes into: of the slots read since they were filled, the one read
+        longest ago (in a sweep up or down the layers, the layer furthest behind it); a layer
+        staged and not yet read is needed soon and goes last."""
+        return min(range(len(self.slots)), key=lambda n: self.slots[n].used)
+
+    def _touch(self, idx: int, staged: bool = False) -> None:
+        self._clock += 1
+        self.slots[idx].used = (int(staged), self._clock)
+
     def reuses(self, j: int) -> int | None:
         """The layer whose slot prefetch(j) would take now (None if it takes none, or an empty one)."""
         if self.splits[j].resident or j in self._in_slot or not self.slots:
             return None
-        return self.slots[self._next_slot].track.tag
+        return self.slots[self._victim()].track.tag
 
     def get(self, j: int) -> tuple[dict[str, Any], list[Event]]:
         """Compute-ready weights of layer j and the events the compute must wait for."""
@@ -181,6 +197,7 @@ class WeightStore:
             if j not in self._in_slot:
                 self.prefetch(j)
             idx = self._in_slot[j]
+            self._touch(idx)
             key, deps = (j, idx), self.slots[idx].track.read_deps()
         if key not in self._views:
             segs = []

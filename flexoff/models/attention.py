@@ -39,7 +39,8 @@ def _attend_math(
     are contiguous matrices: strided ones (a token-major cache) are copied first."""
     if k.stride(-2) != k.shape[-1]:
         k, v = k.contiguous(), v.contiguous()
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # (b, kvh, g*sq, sk)
+    scores = torch.matmul(q, k.transpose(-1, -2))  # (b, kvh, g*sq, sk), at least float32
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)) * scale
     scores.masked_fill_(~mask, float("-inf"))
     p = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(p, v)

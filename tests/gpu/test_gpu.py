@@ -136,3 +136,47 @@ def test_weights_streamed_from_the_cpu_give_the_same_tokens():
         with LLM("dummy:opt-1.3b", policy=Policy(2, 2, *w, 100, 0, 100, 0), dtype="float16") as llm:
             outs.append([c.token_ids for c in llm.generate(prompts, max_new_tokens=6).completions])
     assert outs[0] == outs[1] == outs[2]
+
+
+@pytest.mark.parametrize("name", ["opt", "llama", "qwen2"])
+def test_lean_path_with_and_without_cuda_graphs_gives_transformers_tokens(tiny, gpu_refs, name, monkeypatch):
+    for shape in ((5, 1), (2, 3)):
+        got = {}
+        for graphs in ("1", "0"):
+            monkeypatch.setenv("FLEXOFF_CUDA_GRAPHS", graphs)
+            with LLM(str(tiny[name].path), device="cuda", dtype="float16",
+                     policy=Policy(gpu_batch_size=shape[0], num_gpu_batches=shape[1])) as llm:
+                tokens, logits = _run(llm, PROMPTS)
+                lean = llm.engine.lean
+                assert lean is not None and lean.graphs == (graphs == "1") and not lean.failed
+            for (ref_t, ref_l), got_l in zip(gpu_refs[name], logits):
+                for a, b in zip(got_l, ref_l):
+                    assert rel_err(a, b) < LOGIT_TOL
+            got[graphs] = tokens
+        assert got["1"] == got["0"] == [t for t, _ in gpu_refs[name]], shape
+
+
+def test_training_sweep_on_the_gpu_matches_the_cpu(tiny):
+    """The reverse sweep's input gradients on CUDA (float32, weights streamed from CPU memory)
+    against the same engine on the CPU (float64)."""
+    from flexoff.offload.engine import Engine
+    from reference import train_batches
+
+    prompts = PROMPTS + [[3, 1, 4, 1, 5, 9, 2, 6]]
+    p = Policy(gpu_batch_size=3, num_gpu_batches=2, w_gpu_percent=0, w_cpu_percent=100,
+               stash_gpu_percent=0, stash_cpu_percent=100)
+    with LLM(str(tiny["llama"].path)) as llm:
+        m = llm.model
+        batches = train_batches(3, prompts)
+        res = {}
+        for dev, dt in (("cpu", torch.float64), ("cuda", torch.float32)):
+            e = Engine(m.family, m.spec, p, device=torch.device(dev), dtype=dt, max_prompt=16, max_gen=1,
+                       training=True)
+            try:
+                e.load_weights((j, m.source.layer(j, lay, dt, e.device)) for j, lay in enumerate(m.spec.layers))
+                res[dev] = e.run_train(batches)
+            finally:
+                e.close()
+    assert abs(res["cuda"].loss - res["cpu"].loss) < 1e-4 * abs(res["cpu"].loss)
+    for a, b, bt in zip(res["cuda"].input_grads, res["cpu"].input_grads, batches):
+        assert rel_err(a.cpu()[bt.valid], b[bt.valid]) < 1e-3
