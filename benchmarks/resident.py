@@ -28,7 +28,8 @@ VARIANTS = ("graphs", "eager", "loop")
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
-    """Bytes/s the device reads (and writes as much) in a large device-to-device copy."""
+    """The device's memory bandwidth: bytes read plus bytes written per second in a large
+    device-to-device copy."""
     a = torch.empty(nbytes // 2, dtype=torch.float16, device="cuda")
     b = torch.empty_like(a)
     b.copy_(a)
@@ -37,7 +38,7 @@ def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     for _ in range(5):
         b.copy_(a)
     torch.cuda.synchronize()
-    return 5 * nbytes / (time.perf_counter() - t0)
+    return 2 * 5 * nbytes / (time.perf_counter() - t0)
 
 
 def flexoff_runs(model: str, batch: int, prompt_len: int, gen_len: int, variants: list[str],
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         hf_tp = next((r["generation_throughput"] for r in runs if r["system"] == "transformers"), None)
         for r in runs:
             r.update(model=args.model, prompt_len=args.prompt_len, gen_len=args.gen_len, bound_ms=bound_ms,
-                     step_over_bound=r["decode_step_ms"] / bound_ms, copy_GBps=bw / 1e9,
+                     step_over_bound=r["decode_step_ms"] / bound_ms, memory_GBps=bw / 1e9,
                      vs_transformers=r["generation_throughput"] / hf_tp if hf_tp else None, **env)
         rows += runs
         print(table(runs, ["system", "batch", "decode_step_ms", "bound_ms", "step_over_bound",

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
+from flexoff.kernels.attention import decode_attention
 from flexoff.models.attention import attend, attend_cached
 from flexoff.models.base import materialize
 from flexoff.offload.block import BlockRun, Pending, vjp
@@ -174,7 +175,7 @@ class AttnOp(LayerOp):
         q, k, v = fam.attn_in(w, h, ls.pos)
         buf = e.kv.homes[self.li][ls.k]["gpu"].buf
         codec.write_at(buf, ls.n, ls.T, ls.t, k, v)
-        return fam.attn_out(w, h, attend(q, *codec.read(buf, ls.n, ls.T), ls.mask, fam.scale))
+        return fam.attn_out(w, h, decode_attention(q, *codec.read(buf, ls.n, ls.T), ls.mask, fam.scale))
 
     def forward(self, run: BlockRun, step: Step) -> None:
         if step.i >= 1 and not run.training:  # a CPU attention call takes the next buffer set
@@ -211,7 +212,7 @@ class AttnOp(LayerOp):
             e.lanes.compute.wait(deps)
             kv.codec.write(buf, r1 - r0, t, kk[r0:r1], vv[r0:r1])
             K, V = kv.codec.read(buf, r1 - r0, t + 1)
-            outs.append(attend(q[r0:r1], K, V, mask[r0:r1], fam.scale))
+            outs.append(decode_attention(q[r0:r1], K, V, mask[r0:r1], fam.scale))
             if tier != "gpu":
                 kv.stored_new_token(li, k, tier, r1 - r0, t, e.lanes.compute.mark())
         kv.release(li, k)

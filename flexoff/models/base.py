@@ -10,7 +10,7 @@ Does not know: where tensors live, dtypes of storage, compression, adapters.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping, Protocol
+from typing import Any, Literal, Mapping, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +49,33 @@ def linear(x: torch.Tensor, w: Any, b: torch.Tensor | None = None) -> torch.Tens
     if isinstance(w, torch.Tensor):
         return F.linear(x, w, b)
     return w.linear(x, b)
+
+
+def linears(x: torch.Tensor, ws: Sequence[Any], bs: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+    """[x @ w.T + b for each w, b]: several projections of one input (q, k and v; gate and up).
+
+    Where the weights are plain matrices stored one after another (as a layer's buffer holds
+    them) and so are their biases, one matmul computes them all; otherwise each goes through
+    `linear`, so weight objects (compression, adapters) keep their own."""
+    w = _stacked(ws)
+    b = None if all(t is None for t in bs) else _stacked(bs)
+    if w is None or (b is None and any(t is not None for t in bs)):
+        return [linear(x, wi, bi) for wi, bi in zip(ws, bs)]
+    return list(F.linear(x, w, b).split([t.shape[0] for t in ws], dim=-1))
+
+
+def _stacked(ts: Sequence[Any]) -> torch.Tensor | None:
+    """The tensors as one, concatenated along dim 0, if they already lie so in memory."""
+    if not all(isinstance(t, torch.Tensor) and t.is_contiguous() for t in ts):
+        return None
+    first = ts[0]
+    ptr = first.data_ptr()
+    for t in ts:
+        if t.data_ptr() != ptr or t.dtype != first.dtype or t.device != first.device or t.shape[1:] != first.shape[1:]:
+            return None
+        ptr += t.numel() * t.element_size()
+    rows = sum(t.shape[0] for t in ts)
+    return first.as_strided((rows, *first.shape[1:]), first.stride())
 
 
 def materialize(w: Any) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from flexoff.errors import ModelError
-from flexoff.models.base import LayerSpec, TensorSpec, Weights, linear
+from flexoff.models.base import LayerSpec, TensorSpec, Weights, linear, linears
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 
@@ -145,9 +145,8 @@ def _yarn(cfg: LlamaConfig, inv: torch.Tensor) -> tuple[torch.Tensor, float]:
 
 
 def rms_norm(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    x = h.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return w * x.to(h.dtype)
+    """x / sqrt(mean(x^2) + eps) in float32 (float64 too, as Hugging Face's), back in h's dtype, times w."""
+    return w * F.rms_norm(h.float(), (h.shape[-1],), eps=eps).to(h.dtype)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -174,6 +173,8 @@ class Llama:
         self.scale = cfg.head_dim**-0.5
         self.inv_freq, self.rope_scale = rope_frequencies(cfg)
         self._inv_on: dict[torch.device, torch.Tensor] = {}  # inv_freq per device, copied once
+        self._rope_for: tuple[torch.Tensor, torch.dtype] | None = None  # (pos, dtype) of _rope_val
+        self._rope_val: tuple[torch.Tensor, torch.Tensor] = (torch.empty(0), torch.empty(0))
 
     def _inv_freq(self, device: torch.device) -> torch.Tensor:
         if device not in self._inv_on:  # not per call: a CUDA graph cannot capture a host copy
@@ -199,20 +200,24 @@ class Llama:
                 ts.append(TensorSpec(f"{name}.bias", (out,), (f"{hf}.bias",)))
             return ts
 
+        def group(*lins: list[TensorSpec]) -> list[TensorSpec]:  # matrices, then biases: each adjacent
+            specs = [t for ts in lins for t in ts]
+            return [t for t in specs if t.matmul] + [t for t in specs if not t.matmul]
+
         embed_names = ("model.embed_tokens.weight",)
         out = [LayerSpec("embed", -1, (TensorSpec("embed_tokens", (c.vocab_size, H), embed_names),))]
         for i in range(c.num_layers):
             b = f"model.layers.{i}."
             out.append(LayerSpec("attn", i, tuple(
                 [TensorSpec("norm.weight", (H,), (b + "input_layernorm.weight",))]
-                + lin("q_proj", b + "self_attn.q_proj", q_out, H, c.qkv_bias)
-                + lin("k_proj", b + "self_attn.k_proj", kv_out, H, c.qkv_bias)
-                + lin("v_proj", b + "self_attn.v_proj", kv_out, H, c.qkv_bias)
+                + group(lin("q_proj", b + "self_attn.q_proj", q_out, H, c.qkv_bias),
+                        lin("k_proj", b + "self_attn.k_proj", kv_out, H, c.qkv_bias),
+                        lin("v_proj", b + "self_attn.v_proj", kv_out, H, c.qkv_bias))
                 + lin("o_proj", b + "self_attn.o_proj", H, q_out, c.o_bias))))
             out.append(LayerSpec("mlp", i, tuple(
                 [TensorSpec("norm.weight", (H,), (b + "post_attention_layernorm.weight",))]
-                + lin("gate_proj", b + "mlp.gate_proj", c.intermediate_size, H, c.mlp_bias)
-                + lin("up_proj", b + "mlp.up_proj", c.intermediate_size, H, c.mlp_bias)
+                + group(lin("gate_proj", b + "mlp.gate_proj", c.intermediate_size, H, c.mlp_bias),
+                        lin("up_proj", b + "mlp.up_proj", c.intermediate_size, H, c.mlp_bias))
                 + lin("down_proj", b + "mlp.down_proj", H, c.intermediate_size, c.mlp_bias))))
         head_names = embed_names if c.tie_embeddings else ("lm_head.weight",)
         out.append(LayerSpec("head", -1, (
@@ -224,20 +229,26 @@ class Llama:
     def embed(self, w: Weights, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, w["embed_tokens"])
 
+    def rope(self, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin (b, 1, s, d) of positions pos (b, s). The same for every layer of a step:
+        kept for the last pos tensor asked about (by identity, which it keeps alive)."""
+        key = (pos, dtype)
+        if self._rope_for is not None and self._rope_for[0] is pos and self._rope_for[1] == dtype:
+            return self._rope_val
+        freqs = pos[:, None, :, None].float() * self._inv_freq(pos.device)  # (b, 1, s, d/2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self._rope_for, self._rope_val = key, ((emb.cos() * self.rope_scale).to(dtype),
+                                               (emb.sin() * self.rope_scale).to(dtype))
+        return self._rope_val
+
     def attn_in(self, w: Weights, h: torch.Tensor, pos: torch.Tensor):
         b, s, _ = h.shape
         x = rms_norm(h, w["norm.weight"], self.cfg.rms_norm_eps)
-
-        def heads(name: str, n: int) -> torch.Tensor:  # (b, s, n*d) -> (b, n, s, d)
-            y = linear(x, w[f"{name}.weight"], w.get(f"{name}.bias"))
-            return y.view(b, s, n, self.head_dim).transpose(1, 2)
-
-        q, k = heads("q_proj", self.num_heads), heads("k_proj", self.num_kv_heads)
-        v = heads("v_proj", self.num_kv_heads)
-        freqs = pos[:, None, :, None].float() * self._inv_freq(h.device)  # (b, 1, s, d/2)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.rope_scale).to(h.dtype)
-        sin = (emb.sin() * self.rope_scale).to(h.dtype)
+        names = ("q_proj", "k_proj", "v_proj")
+        q, k, v = (y.view(b, s, n, self.head_dim).transpose(1, 2)  # (b, s, n*d) -> (b, n, s, d)
+                   for y, n in zip(linears(x, [w[f"{p}.weight"] for p in names], [w.get(f"{p}.bias") for p in names]),
+                                   (self.num_heads, self.num_kv_heads, self.num_kv_heads)))
+        cos, sin = self.rope(pos, h.dtype)
         return rotate(q, cos, sin), rotate(k, cos, sin), v
 
     def attn_out(self, w: Weights, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
@@ -247,9 +258,8 @@ class Llama:
 
     def mlp(self, w: Weights, h: torch.Tensor) -> torch.Tensor:
         x = rms_norm(h, w["norm.weight"], self.cfg.rms_norm_eps)
-        gate = F.silu(linear(x, w["gate_proj.weight"], w.get("gate_proj.bias")))
-        up = linear(x, w["up_proj.weight"], w.get("up_proj.bias"))
-        return h + linear(gate * up, w["down_proj.weight"], w.get("down_proj.bias"))
+        gate, up = linears(x, [w["gate_proj.weight"], w["up_proj.weight"]], [w.get("gate_proj.bias"), w.get("up_proj.bias")])
+        return h + linear(F.silu(gate) * up, w["down_proj.weight"], w.get("down_proj.bias"))
 
     def head(self, w: Weights, h: torch.Tensor) -> torch.Tensor:
         return linear(rms_norm(h, w["norm.weight"], self.cfg.rms_norm_eps), w["lm_head.weight"])

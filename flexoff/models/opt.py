@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from flexoff.errors import ModelError
-from flexoff.models.base import LayerSpec, TensorSpec, Weights, linear
+from flexoff.models.base import LayerSpec, TensorSpec, Weights, linear, linears
 
 POSITION_OFFSET = 2  # OPT's position table has two extra rows before position 0
 
@@ -99,11 +99,11 @@ class OPT:
         ))]
         for i in range(c.num_layers):
             b = f"{p}layers.{i}."
-            out.append(LayerSpec("attn", i, tuple(
-                ln("ln", b + "self_attn_layer_norm")
-                + lin("q_proj", b + "self_attn.q_proj", H, H)
-                + lin("k_proj", b + "self_attn.k_proj", H, H)
+            qkv = lin("q_proj", b + "self_attn.q_proj", H, H) + lin("k_proj", b + "self_attn.k_proj", H, H) \
                 + lin("v_proj", b + "self_attn.v_proj", H, H)
+            out.append(LayerSpec("attn", i, tuple(  # q, k, v matrices, then their biases: each adjacent
+                ln("ln", b + "self_attn_layer_norm")
+                + [t for t in qkv if t.matmul] + [t for t in qkv if not t.matmul]
                 + lin("out_proj", b + "self_attn.out_proj", H, H))))
             out.append(LayerSpec("mlp", i, tuple(
                 ln("ln", b + "final_layer_norm")
@@ -124,12 +124,10 @@ class OPT:
     def attn_in(self, w: Weights, h: torch.Tensor, pos: torch.Tensor):
         b, s, _ = h.shape
         x = self._ln(w, h)
-
-        def heads(name: str) -> torch.Tensor:  # (b, s, H) -> (b, heads, s, head_dim)
-            y = linear(x, w[f"{name}.weight"], w.get(f"{name}.bias"))
-            return y.view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
-
-        return heads("q_proj"), heads("k_proj"), heads("v_proj")
+        names = ("q_proj", "k_proj", "v_proj")
+        q, k, v = (y.view(b, s, self.num_heads, self.head_dim).transpose(1, 2)  # (b, s, H) -> (b, heads, s, d)
+                   for y in linears(x, [w[f"{p}.weight"] for p in names], [w.get(f"{p}.bias") for p in names]))
+        return q, k, v
 
     def attn_out(self, w: Weights, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         b, _, s, _ = o.shape
