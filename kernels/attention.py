@@ -26,7 +26,7 @@ except ImportError:  # CPU-only installs without triton use the reference
     HAVE_TRITON = False
 
 BLOCK_T = 64  # positions a program reads per iteration
-TARGET_PROGRAMS = 1024  # enough (row, head, chunk) programs to keep every SM streaming
+TARGET_PROGRAMS = 4096  # enough (row, head, chunk) programs to keep every SM streaming
 
 
 def decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

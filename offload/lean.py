@@ -5,10 +5,12 @@ Knows: when a policy puts everything a decode step reads on the compute device (
 no stores, no CPU attention), so that the schedule's per-step bookkeeping (events, lanes,
 prefetches) does nothing but cost host time; how to run such a block's decode as one call
 per GPU batch and token step (embedding, every layer's op, the head's logits) with fixed
-shapes: positions, the new token's cache slot and the attention mask are device tensors,
-attention reads the block's whole cache length with later positions masked (their cache is
-zeroed first); on CUDA that call is captured once per batch and block as a CUDA graph and
-replayed, so a token step costs a few launches and one host read (the step before's tokens).
+shapes: positions, the new token's cache slot and the attention mask are device tensors in
+buffers that outlive blocks, attention spans the engine's whole cache length with the
+positions not yet written masked (and zeroed first, for attention that reads masked
+positions); on CUDA that call is captured once per engine and batch shape as a CUDA graph
+and replayed in every block, so a token step costs a few launches and one host read (the
+step before's tokens).
 Does not know: layer kinds (each op's `lean` does the math), sampling rules, stop conditions.
 """
 
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from flexoff.offload.block import BlockRun, Clock
+from flexoff.offload.block import BatchState, BlockRun, Clock
 from flexoff.offload.kvcache import PlainKV
 from flexoff.offload.layer_ops import LeanStep
 
@@ -38,22 +40,28 @@ def graphs_enabled(arg: bool | None) -> bool:
 
 
 class _Batch:
-    """One GPU batch's fixed inputs, and its step as a callable (a graph's replay, or eager)."""
+    """One GPU batch shape's step over the engine's whole cache length, its inputs in buffers
+    that outlive blocks, so that one captured graph serves every block with this batch."""
 
-    def __init__(self, dec: "LeanDecoder", run: BlockRun, k: int, T: int):
-        st = run.states[k]
-        dev = st.ids.device
-        self.ids = torch.zeros(st.n, 1, dtype=torch.long, device=dev)
-        self.t = torch.zeros(1, dtype=torch.long, device=dev)
-        self.S, self.plen, self.valid = st.S, st.plen, st.valid[:, :T]
-        self.arange = torch.arange(T, device=dev)
-        self.k, self.n, self.T, self.dec = k, st.n, T, dec
+    def __init__(self, dec: "LeanDecoder", k: int, n: int, T: int, device: torch.device):
+        self.ids = torch.zeros(n, 1, dtype=torch.long, device=device)  # the previous step's tokens
+        self.t = torch.zeros(1, dtype=torch.long, device=device)  # the new token's cache position
+        self.start = torch.zeros(n, dtype=torch.long, device=device)  # position of cache slot 0 (-padding)
+        self.valid = torch.ones(n, T, dtype=torch.bool, device=device)  # False on prompt padding
+        self.arange = torch.arange(T, device=device)
+        self.k, self.n, self.T, self.dec = k, n, T, dec
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
 
+    def load(self, st: BatchState) -> None:
+        """This block's prompt padding and positions."""
+        self.valid.fill_(True)
+        self.valid[:, :st.S].copy_(st.valid[:, :st.S])
+        self.start.copy_(st.plen - st.S)
+
     def step(self) -> torch.Tensor:
         """Embedding, layers and head for the token at position self.t: logits (n, vocab)."""
-        pos = self.plen[:, None] + (self.t - self.S)  # (n, 1)
+        pos = (self.start + self.t)[:, None]  # (n, 1)
         mask = (self.valid & (self.arange <= self.t))[:, None, :]  # (n, 1, T)
         ls = LeanStep(self.k, self.n, self.T, self.ids, pos, self.t, mask)
         h = None
@@ -85,6 +93,9 @@ class LeanDecoder:
         self.engine = engine
         self.graphs = graphs and engine.device.type == "cuda"
         self.failed = False  # a capture failed once: this engine decodes eagerly from then on
+        self.T = engine.max_prompt + engine.max_gen  # cache positions every step attends over (masked)
+        self.batches: dict[tuple[int, int], _Batch] = {}  # (GPU batch, rows) -> its step, kept across blocks
+        self.pool: object | None = None  # the graphs' memory pool
 
     @staticmethod
     def applies(engine: "Engine") -> bool:
@@ -96,35 +107,36 @@ class LeanDecoder:
     def decode(self, run: BlockRun, gen_len: int, clock: Clock) -> None:
         """Token steps 1 .. gen_len - 1 of a block whose prefill has run (step 0's tokens sampled)."""
         e = self.engine
-        S = run.states[0].S
-        T = S + gen_len
+        S, T = run.states[0].S, self.T
         for li in range(len(e.spec.attn_layers)):  # positions beyond the prompt: zeros, not stale values
             for k, st in enumerate(run.states):
                 e.kv.homes[li][k]["gpu"].buf[:T * st.n * e.kv.codec.rec_bytes].view(T, -1)[S:].zero_()
-        batches = [_Batch(self, run, k, T) for k in range(len(run.states))]
-        capture = self.graphs and not self.failed
-        pool = None
+        batches = []
+        for k, st in enumerate(run.states):
+            if (k, st.n) not in self.batches:
+                self.batches[(k, st.n)] = _Batch(self, k, st.n, T, e.device)
+            batches.append(self.batches[(k, st.n)])
+            batches[-1].load(st)
         for i in range(1, gen_len):
             for b, st, task in zip(batches, run.states, run.tasks):
                 b.ids.copy_(st.tokens[i - 1][:, None])
                 b.t.fill_(S + i - 1)
-                if capture and b.graph is None:
-                    capture = self._capture(b, pool)
-                    pool = b.graph.pool() if b.graph is not None else None
-                task.pick(b(), st, i)
+                if self.graphs and not self.failed and b.graph is None:
+                    self._capture(b)
+                task.pick(b() if self.graphs else b.step(), st, i)
             if clock.token_step_done(i):
                 break
 
-    def _capture(self, b: _Batch, pool: object | None) -> bool:
-        """Capture b's step; on failure warn once and decode eagerly from then on."""
+    def _capture(self, b: _Batch) -> None:
+        """Capture b's step (the engine's graphs share one memory pool); on failure warn once and
+        decode eagerly from then on."""
         try:
-            b.capture(pool)
-            return True
+            b.capture(self.pool)
+            self.pool = b.graph.pool()
         except RuntimeError as err:  # an op that cannot be captured: still correct, only slower
             self.failed = True
             b.graph = None
             torch.cuda.synchronize()
             warnings.warn(f"CUDA graph capture failed ({str(err).splitlines()[0]}); decoding without graphs",
                           stacklevel=2)
-            return False
 
