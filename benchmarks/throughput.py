@@ -55,12 +55,12 @@ class Bench:
                  hardware: str | None, dtype: str, device: str, offload_dir: str | None,
                  out: Path | None = None, deadline: float = float("inf")):
         from flexoff import LLM
-        from flexoff.policy import hardware as hwmod
+        from flexoff import profiler
 
         self.llm = LLM(model, gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk_mem=disk_mem, hardware=hardware,
                        dtype=dtype, device=device, offload_dir=offload_dir)
         self.llm.model.tokenizer.eos_ids = ()  # benchmarks generate every token they ask for
-        self.hw = hwmod.load(hardware, offload_dir)
+        self.hw = profiler.load(hardware, offload_dir)
         self.budgets = {"gpu_mem": gpu_mem, "cpu_mem": cpu_mem, "disk_mem": disk_mem}
         self.env = environment()
         self.out, self.deadline = out, deadline
@@ -447,11 +447,12 @@ def smoke(out: Path) -> int:
     """The whole suite on a tiny model on the CPU: matrix, ablations, frontier, baseline."""
     import tempfile
 
+    from flexoff import profiler
     from flexoff.policy import hardware as hwmod
 
     t0 = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix="flexoff-smoke-"))
-    hw = hwmod.measure(str(tmp), quick=True)
+    hw = profiler.measure(str(tmp), quick=True)
     hwmod.save(hw, tmp / "hw.json")
     model, s, n = "dummy:llama-tiny", 48, 8
     kw = dict(gpu_mem=2 << 20, cpu_mem=8 << 20, disk_mem=1 << 30)

@@ -18,10 +18,11 @@ import torch
 from tqdm import tqdm
 
 from flexoff.checkpoint import LoadedModel, load_model
-from flexoff.errors import FlexoffError, GpuOutOfMemoryError, InputError, MemoryBudgetError
+from flexoff.errors import FlexoffError, GpuOutOfMemoryError, InputError
 from flexoff.generation import Completion, Request, RunStats, plan_blocks, run_block
 from flexoff.offload.engine import Engine
-from flexoff.offload.tiers import Budgets, Tiers
+from flexoff.offload.residency import Residency
+from flexoff.offload.tiers import Budgets
 from flexoff.policy.policy import Policy
 from flexoff.sampling import SamplingParams
 
@@ -99,8 +100,9 @@ class LLM:
         self.gpu_margin = 0  # GPU bytes --policy auto leaves unplanned, raised after running out
         self.compression = compression  # what --policy auto may use: off / on / auto, weights and cache
         self.engine: Engine | None = None
-        self.tiers: Tiers | None = None  # outlive engines, with the resident weights
-        self.weights: Any = None  # the WeightStore the current engine uses
+        # the tiers and weights, which outlive engines
+        self.residency = Residency(self.model.family, self.model.spec, self.device, self.dtype, offload_dir,
+                                   self.options.budgets)
 
     @property
     def tokenizer(self):
@@ -179,10 +181,8 @@ class LLM:
         return Policy.load(p)
 
     def engine_for(self, policy: Policy, max_prompt: int, max_gen: int) -> Engine:
-        """An engine for this policy and these sizes. Weights stay resident between engines:
-        kept as they are when the new policy places them the same way, otherwise moved layer by
-        layer to the new placement (never two full copies; the plan counts the old layers not yet
-        moved), or read from the checkpoint again where moving would not fit the budgets."""
+        """An engine for this policy and these sizes: the current one while it fits, else a new
+        one whose weights the residency keeps, moves or reads again (offload.residency)."""
         from flexoff.quant.engine import formats
 
         e = self.engine
@@ -197,65 +197,13 @@ class LLM:
             self._capped = True
         m = self.model
         fmt, codec = formats(policy, m.spec, self.dtype)
-        if self.tiers is None:
-            self.tiers = Tiers(self.device, self.options.offload_dir)
-        old = self.weights
-        reuse = old is not None and old.matches(fmt, policy)
-        if old is not None and not reuse:  # free before the new engine allocates: it counts them free
-            if old.fmt.key != fmt.key and old.fmt.key[0] != "plain":
-                old.release()  # compressed weights cannot become exact ones: read the checkpoint again
-                self.weights = old = None
-            else:
-                old.release_slots()
-
-        def build(old: Any) -> Engine:
-            return Engine(m.family, m.spec, policy, device=self.device, dtype=self.dtype,
-                          max_prompt=max_prompt, max_gen=max_gen, offload_dir=self.options.offload_dir,
-                          budgets=self.options.budgets, weight_format=fmt, kv_codec=codec, tiers=self.tiers,
-                          weights=old if reuse else None, credit=self._credit(old),
-                          moving=old.splits if old is not None and not reuse else None)
-        try:
-            engine = build(old)
-        except MemoryBudgetError:
-            if old is None or reuse:
-                raise
-            old.release()  # moving would hold both copies for a while: read the weights again instead
-            self.weights = old = None
-            engine = build(old)
-        if not reuse:
-            try:
-                self._place_weights(engine.detach_weights(), old)
-            except BaseException:
-                engine.close()
-                self.close()
-                raise
-        self.tiers.cpu.trim()  # pinned buffers the new engine did not reuse go back to the system
-        self.engine = engine
-        return engine
-
-    def _credit(self, weights: Any) -> dict[str, int]:
-        """Memory already held that a new engine may count as free: the current weights (kept
-        or moved) and pooled pinned buffers."""
-        credit = dict(weights.mem.held()) if weights is not None else {"gpu": 0, "cpu": 0, "disk": 0}
-        credit["cpu"] += self.tiers.cpu.pooled
-        return credit
-
-    def _place_weights(self, new: Any, old: Any) -> None:
-        m = self.model
-        self.weights = new
-        src_dev = self.device if (old is not None or m.name.startswith("dummy:")) else torch.device("cpu")
-        layers = tqdm(enumerate(m.spec.layers), total=len(m.spec.layers), unit="layer", leave=False,
-                      desc="loading weights" if old is None else "moving weights", disable=not self.progress)
-        same = old is not None and old.fmt.key == new.fmt.key
-        for j, layer in layers:
-            if old is not None:
-                new.fill(j, old.take(j, encoded=same, device=src_dev), encoded=same)
-            else:
-                new.fill(j, m.source.layer(j, layer, self.dtype, src_dev))
-        if old is not None:
-            old.release()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()  # the loading temporaries' blocks go back for compute
+        layers = m.spec.layers
+        # a checkpoint is read into CPU memory; dummy weights are made where they go
+        read_dev = self.device if m.name.startswith("dummy:") else torch.device("cpu")
+        self.engine = self.residency.engine(policy, fmt, codec, max_prompt, max_gen,
+                                            lambda j, dev: m.source.layer(j, layers[j], self.dtype, dev),
+                                            read_dev, self.progress)
+        return self.engine
 
     def drop_engine(self) -> None:
         """Close the engine (after a failed run), keeping the resident weights."""
@@ -270,12 +218,8 @@ class LLM:
         if self.engine is not None:
             self.engine.close()
             self.engine = None
-        if self.weights is not None:
-            self.weights.release()
-            self.weights = None
-        if self.tiers is not None:
-            self.tiers.close()
-            self.tiers = None
+        if getattr(self, "residency", None) is not None:
+            self.residency.close()
         if getattr(self, "_capped", False):
             torch.cuda.set_per_process_memory_fraction(1.0, self.device.index)
             self._capped = False

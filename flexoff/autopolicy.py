@@ -13,12 +13,13 @@ from __future__ import annotations
 from typing import Any
 
 import click
+
+from flexoff import profiler
 from flexoff.errors import MemoryBudgetError
 from flexoff.offload.layout import Layout
 from flexoff.offload.memory import MemoryPlan, check, plan_memory
 from flexoff.offload.placement import TIERS
 from flexoff.policy.cost_model import Workload
-from flexoff.policy.hardware import load
 from flexoff.policy.policy import Policy
 from flexoff.policy.search import Budget, search
 
@@ -38,7 +39,7 @@ def auto_policy(llm: Any, prompt_len: int, gen_len: int, num_prompts: int | None
     """The best searched policy that the engine's own accounting accepts. Where the engine needs
     more than the cost model counted (alignment, staging of whole tensors), the search is run
     again with budgets lowered by the difference."""
-    hw = load(llm.hardware, llm.options.offload_dir, log=lambda s: click.echo(s, err=True))
+    hw = profiler.load(llm.hardware, llm.options.offload_dir, log=lambda s: click.echo(s, err=True))
     b = llm.options.budgets
     budget = Budget.of(hw, b.gpu, b.cpu, b.disk)
     budget = Budget(budget.gpu - llm.gpu_margin, budget.cpu, budget.disk)

@@ -182,9 +182,10 @@ def ppl(model: str | None, text_path: str, max_tokens: int | None, dtype: str, d
 @click.option("--output", type=click.Path(dir_okay=False), default=None, help="Also write the profile here.")
 def profile(offload_dir: str | None, output: str | None) -> None:
     """Measure this machine for the cost model (under a minute) and cache the result."""
+    from flexoff import profiler
     from flexoff.policy import hardware
 
-    hw = hardware.measure(offload_dir)
+    hw = profiler.measure(offload_dir)
     hardware.save(hw, hardware.cache_path())
     if output:
         hardware.save(hw, Path(output))
@@ -238,12 +239,12 @@ def policy_search(model: str, prompt_len: int, gen_len: int, num_prompts: int | 
                   no_overlap: bool, max_latency: float | None, objective: str, top: int, json_path: str | None) -> None:
     """Find the best policy for a model and workload, and explain it."""
     from flexoff.checkpoint import load_model
-    from flexoff.policy import hardware as hwmod
+    from flexoff import profiler
     from flexoff.policy.cost_model import Workload
     from flexoff.policy.search import Budget, search
 
     spec = load_model(model).spec
-    hw = hwmod.load(hardware, log=lambda m: click.echo(m, err=True))
+    hw = profiler.load(hardware, log=lambda m: click.echo(m, err=True))
     budget = Budget.of(hw, gpu_mem, cpu_mem, disk_mem)
     work = Workload(prompt_len, gen_len, {"float32": 4}.get(dtype, 2), num_prompts)
     cands = search(spec, hw, work, budget, compress_weight=cw, compress_cache=cc, cpu_attention=cpu_attention,

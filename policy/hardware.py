@@ -107,8 +107,10 @@ def cache_path() -> Path:
     return cache_dir() / "hardware" / f"{machine_key()}.json"
 
 
-def load(name_or_path: str | None, offload_dir: str | None = None, log: Callable[[str], None] | None = None) -> Hardware:
-    """A preset by name, a profile file, or (None) this machine's cached profile, measured if absent."""
+def load(name_or_path: str | None, offload_dir: str | None = None, log: Callable[[str], None] | None = None,
+         measure_machine: Callable[[str | None], Hardware] | None = None) -> Hardware:
+    """A preset by name, a profile file, or (None) this machine's cached profile, measured if absent
+    (by `measure_machine`, which adds what only the engine can measure: flexoff.profiler)."""
     if name_or_path in PRESETS:
         return PRESETS[name_or_path]()
     if name_or_path is not None:
@@ -124,7 +126,7 @@ def load(name_or_path: str | None, offload_dir: str | None = None, log: Callable
         return Hardware.from_dict(json.loads(path.read_text()))
     if log:
         log("measuring this machine once (flexoff profile); cached in " + str(path))
-    hw = measure(offload_dir)
+    hw = (measure_machine or measure)(offload_dir)
     save(hw, path)
     return hw
 
@@ -151,7 +153,8 @@ def _timed(fn: Callable[[], Any], sync: Callable[[], None], repeat: int = 5) -> 
 
 
 def measure(offload_dir: str | None = None, size: int = 512 << 20, quick: bool = False) -> Hardware:
-    """Measure this machine. On a CPU-only machine the compute device is the CPU. `quick`
+    """Measure this machine's links, GPU, CPU and disk (not the engine's host time per step,
+    which flexoff.profiler adds). On a CPU-only machine the compute device is the CPU. `quick`
     measures small shapes only (seconds, for smoke tests; less accurate)."""
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
@@ -191,26 +194,7 @@ def measure(offload_dir: str | None = None, size: int = 512 << 20, quick: bool =
                     ctog_bdw=ctog, gtoc_bdw_cache=gtoc, gtoc_bdw_hidden=gtoc, dtoc_bdw=dread,
                     ctod_bdw_cache=dwrite, ctod_bdw_hidden=dwrite, mm_flops_p=mm_p, mm_flops_g=mm_g,
                     bmm_flops_p=bmm_p, bmm_flops_g=bmm_g, cpu_flops=cpu_flops, cpu_attn_bdw=cpu_attn,
-                    cpu_mem_bdw=cpu_mem, dequant_bdw=deq, cpu_dequant_bdw=cpu_deq,
-                    host_step_s=host_step(dev, offload_dir))
-
-
-def host_step(dev: torch.device, offload_dir: str | None = None, nb: int = 4, gen: int = 16) -> float:
-    """Seconds of host work per engine step (one layer of one GPU batch): the decode of a tiny
-    model, whose kernels take next to no time, with its KV cache compressed in CPU memory and
-    its activations there too (a step's most work: loads, stores, quantization), after a warm-up."""
-    from flexoff.api import LLM
-    from flexoff.policy.policy import Policy
-
-    p = Policy(gpu_batch_size=2, num_gpu_batches=nb, cache_gpu_percent=0, cache_cpu_percent=100,
-               act_gpu_percent=0, act_cpu_percent=100, compress_cache=True)
-    prompts = [{"prompt_ids": [5 + i, 6, 7, 8]} for i in range(2 * nb)]
-    with LLM("dummy:opt-tiny", policy=p, device=dev, offload_dir=offload_dir) as llm:
-        llm.model.tokenizer.eos_ids = ()  # every step runs
-        llm.generate(prompts, max_new_tokens=2)
-        st = llm.generate(prompts, max_new_tokens=gen).stats
-        steps = (gen - 1) * len(llm.model.spec.layers) * nb
-    return st.decode_s / steps
+                    cpu_mem_bdw=cpu_mem, dequant_bdw=deq, cpu_dequant_bdw=cpu_deq)
 
 
 def host_copy_bandwidth(nbytes: int) -> tuple[float, float]:

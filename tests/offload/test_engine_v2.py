@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flexoff import LLM, Policy
-from flexoff.offload.block import IGNORE
+from flexoff.offload.block import IGNORE, BatchInput
 from flexoff.offload.engine import Engine
 from flexoff.offload.schedule import Step, block_plan, training_sweeps
 from flexoff.offload.weights import WeightStore
@@ -39,16 +39,11 @@ def _hf_grads(hf, family: str, batches: list[BatchInput]) -> tuple[float, list[t
     for b in batches:
         mask = b.valid.long()
         pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        emb = hf.get_input_embeddings()(b.ids)
-        if family == "opt":
-            emb = emb + hf.model.decoder.embed_positions(mask, position_ids=pos)
-            x = emb.detach().requires_grad_(True)
-            # OPT adds its positions inside; hand it the sum and cancel its own addition
-            pos_emb = hf.model.decoder.embed_positions(mask, position_ids=pos).detach()
-            out = hf(inputs_embeds=x - pos_emb, attention_mask=mask, position_ids=pos)
-        else:
-            x = emb.detach().requires_grad_(True)
-            out = hf(inputs_embeds=x, attention_mask=mask, position_ids=pos)
+        emb = hf.get_input_embeddings()(b.ids).detach()
+        # OPT adds its learned positions inside: x is their sum, and OPT is handed x less them
+        pos_emb = hf.model.decoder.embed_positions(mask, position_ids=pos).detach() if family == "opt" else 0
+        x = (emb + pos_emb).requires_grad_(True)
+        out = hf(inputs_embeds=x - pos_emb, attention_mask=mask, position_ids=pos)
         loss = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), b.labels.flatten(),
                                                  ignore_index=IGNORE, reduction="sum") / total
         (g,) = torch.autograd.grad(loss, x)

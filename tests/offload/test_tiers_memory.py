@@ -148,14 +148,14 @@ def test_weights_stay_resident_or_move_between_policies(tiny, tiny_refs):
             llm.policy_arg = p
             outs.append([c.token_ids for c in llm.generate([{"prompt_ids": q} for q in PROMPTS],
                                                              max_new_tokens=8).completions])
-            stores.append(llm.weights)
-            held = llm.weights.mem.held()
-            split = llm.weights.bytes_per_tier()
-            slots = 2 * max((s.n - s.stage for s in llm.weights.splits), default=0)
+            stores.append(llm.residency.weights)
+            held = llm.residency.weights.mem.held()
+            split = llm.residency.weights.bytes_per_tier()
+            slots = 2 * max((s.n - s.stage for s in llm.residency.weights.splits), default=0)
             assert held == {"gpu": split["gpu"], "cpu": split["cpu"], "disk": split["disk"]} or \
                 held["gpu"] == split["gpu"] and slots >= 0
             # everything allocated is the weights' and this engine's; nothing leaked from before
-            used = llm.tiers.used()
+            used = llm.residency.tiers.used()
             assert used == {t: held[t] + llm.engine.mem.held()[t] for t in used}
         assert stores[0] is stores[1] and stores[1] is not stores[2] and stores[2] is not stores[3]
     assert outs[0] == outs[1] == outs[2] == outs[4] == want
@@ -232,7 +232,7 @@ def test_switching_policies_never_holds_both_engines_weight_slots(compressed_fir
             llm.policy_arg = p
             llm.generate([{"prompt_ids": q} for q in PROMPTS[:4]], max_new_tokens=3)
             plans.append(_allocated_gpu(llm.engine.plan))
-        assert llm.tiers.gpu.peak <= max(plans), (llm.tiers.gpu.peak, plans)
+        assert llm.residency.tiers.gpu.peak <= max(plans), (llm.residency.tiers.gpu.peak, plans)
 
 
 @pytest.mark.parametrize("room_to_move", [True, False])
@@ -261,7 +261,7 @@ def test_moving_weights_counts_the_old_layers_until_they_have_moved(room_to_move
         llm.generate(prompts[:5], max_new_tokens=3)
         llm.policy_arg = second
         got = [c.token_ids for c in llm.generate(prompts, max_new_tokens=3).completions]
-        assert llm.tiers.cpu.peak <= budget, (llm.tiers.cpu.peak, budget)
+        assert llm.residency.tiers.cpu.peak <= budget, (llm.residency.tiers.cpu.peak, budget)
         n = len(llm.model.spec.layers)
         assert reads == list(range(n)) * (1 if room_to_move else 2)
     assert got == want

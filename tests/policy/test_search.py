@@ -164,7 +164,9 @@ def test_auto_policy_searches_again_after_the_gpu_runs_out(tiny, tiny_refs, tmp_
 
     # running out while the engine is set up (weights loaded through the GPU) is handled the same way
     monkeypatch.setattr(api, "run_block", real)
-    made, engine_cls = [], api.Engine
+    from flexoff.offload import residency
+
+    made, engine_cls = [], residency.Engine
 
     def setup_fails_once(*args, **kw):
         made.append(args[2])
@@ -172,7 +174,7 @@ def test_auto_policy_searches_again_after_the_gpu_runs_out(tiny, tiny_refs, tmp_
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         return engine_cls(*args, **kw)
 
-    monkeypatch.setattr(api, "Engine", setup_fails_once)
+    monkeypatch.setattr(residency, "Engine", setup_fails_once)
     with LLM(str(tiny["llama"].path), policy="auto", hardware=str(profile), gpu_mem=gpu_mem,
              cpu_mem=1 << 30) as llm:
         out = llm.generate([{"prompt_ids": p} for p in PROMPTS], max_new_tokens=8)
@@ -223,7 +225,7 @@ def test_profiles_without_the_host_step_still_load(tmp_path):
 def test_host_step_is_measured_from_the_engine():
     import torch
 
-    from flexoff.policy.hardware import host_step
+    from flexoff.profiler import host_step
 
     t = host_step(torch.device("cpu"))
     assert 1e-6 < t < 0.05  # a tiny model's step: Python and bookkeeping, not arithmetic
