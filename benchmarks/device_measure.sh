@@ -18,6 +18,9 @@
 #                                                   # searched and predicted with the host step
 #   PHASE=K bash benchmarks/device_measure.sh OUT   # profiler traces of 8x4 and 16x3 with CPU attention
 #   PHASE=T bash benchmarks/device_measure.sh OUT   # GPU tests only
+#   PHASE=V bash benchmarks/device_measure.sh OUT   # GPU tests; the host step of the new loop into a copy of
+#                                                   # the H200 profile (OUT/h200-measured.json); OPT-30B auto
+#                                                   # searched with it, against hand 16x3 and 24x2, one run
 #   PHASE=R bash benchmarks/device_measure.sh OUT   # GPU tests; GPU-resident llama-7b at batch 8, 32, 128:
 #                                                   # lean path with and without graphs, the scheduled
 #                                                   # loop, transformers generate; OPT-30B 16x3 on CPU
@@ -112,6 +115,21 @@ case "${PHASE:-A}" in
      done ;;
   T) echo "=== gpu tests ($(date +%T))"
      timeout 180 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log" ;;
+  V) echo "=== gpu tests ($(date +%T))"
+     timeout 150 python3 -m pytest -q -m gpu tests/gpu tests/kernels -p no:cacheprovider 2>&1 | tail -6 | tee "$OUT/gpu_tests.log"
+     echo "=== host step ($(date +%T))"
+     timeout 90 python3 - "$HW" "$OUT/h200-measured.json" <<'PY'
+import json, sys, torch
+from flexoff.profiler import host_step
+d = json.load(open(sys.argv[1]))
+d["host_step_s"] = host_step(torch.device("cuda"))
+json.dump(d, open(sys.argv[2], "w"), indent=2)
+print("host_step_s", d["host_step_s"])
+PY
+     echo "=== opt-30b auto and hand policies ($(date +%T))"
+     timeout 330 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware "$OUT/h200-measured.json" \
+       --policy auto --policy "16x3:0,100,0,100,100,0:a" --policy "24x2:0,100,0,100,100,0:a" \
+       --out "$OUT/cpu" 2>&1 | grep -v "^\s*$" | grep -v "^---" | tail -5 ;;
   R) echo "=== gpu tests ($(date +%T))"
      timeout 150 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
      echo "=== resident llama-7b ($(date +%T))"

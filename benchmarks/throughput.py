@@ -130,8 +130,7 @@ class Bench:
 
     def _measure(self, label: str, policy: Any, prompt_len: int, gen_len: int, num_prompts: int | None,
                  kind: str) -> dict[str, Any]:
-        from flexoff.policy.cost_model import Choice, CostModel, Workload
-        from flexoff.offload.placement import row_split
+        from flexoff.policy.cost_model import Workload
 
         spec = self.llm.model.spec
         n = num_prompts or policy.block_size
@@ -144,14 +143,7 @@ class Bench:
         wall = time.perf_counter() - t0
         st = out.stats
         p = policy
-        rows = lambda g_, c_: row_split(p.gpu_batch_size, g_, c_)  # noqa: E731
-        cr, hr = rows(p.cache_gpu_percent, p.cache_cpu_percent), rows(p.act_gpu_percent, p.act_cpu_percent)
-        frac = {"wg": p.w_gpu_percent / 100, "wc": p.w_cpu_percent / 100, "wd": p.w_disk_percent / 100,
-                **{f"c{t[0]}": cr[t] / p.gpu_batch_size for t in ("gpu", "cpu", "disk")},
-                **{f"h{t[0]}": hr[t] / p.gpu_batch_size for t in ("gpu", "cpu", "disk")}}
-        ch = Choice(p.gpu_batch_size, p.num_gpu_batches, p.compress_weight, p.compress_cache,
-                    p.cpu_cache_compute, p.overlap, p.quant_bits, p.quant_group)
-        pred = CostModel(spec, self.hw, Workload(prompt_len, gen_len, self.llm.dtype.itemsize, n), ch).evaluate(frac)
+        pred = predict(spec, self.hw, p, Workload(prompt_len, gen_len, self.llm.dtype.itemsize, n))
         td = st.traffic_decode
         bound = max(td.get("h2d", 0) / self.hw.ctog_bdw, td.get("cpu_attention", 0) / self.hw.cpu_mem_bdw)
         pcie = (st.traffic_prefill.get("h2d", 0) + td.get("h2d", 0)) / self.hw.ctog_bdw
@@ -171,6 +163,23 @@ class Bench:
 
     def close(self) -> None:
         self.llm.close()
+
+
+def predict(spec: Any, hw: Any, p: Any, work: Any) -> Any:
+    """The cost model's prediction for a policy as the engine places it (whole rows)."""
+    from flexoff.offload.placement import row_split
+    from flexoff.policy.cost_model import Choice, CostModel
+
+    def rows(g: float, c: float) -> dict[str, int]:
+        return row_split(p.gpu_batch_size, g, c)
+
+    cr, hr = rows(p.cache_gpu_percent, p.cache_cpu_percent), rows(p.act_gpu_percent, p.act_cpu_percent)
+    frac = {"wg": p.w_gpu_percent / 100, "wc": p.w_cpu_percent / 100, "wd": p.w_disk_percent / 100,
+            **{f"c{t[0]}": cr[t] / p.gpu_batch_size for t in ("gpu", "cpu", "disk")},
+            **{f"h{t[0]}": hr[t] / p.gpu_batch_size for t in ("gpu", "cpu", "disk")}}
+    ch = Choice(p.gpu_batch_size, p.num_gpu_batches, p.compress_weight, p.compress_cache,
+                p.cpu_cache_compute, p.overlap, p.quant_bits, p.quant_group)
+    return CostModel(spec, hw, work, ch).evaluate(frac)
 
 
 def link_use(traffic: dict[str, Any], seconds: float) -> dict[str, Any]:
