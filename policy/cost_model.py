@@ -24,8 +24,8 @@ Names follow the FlexGen paper:
 | cpu_flops, cpu_attn_bdw | CPU attention FLOP/s, and the KV bytes/s it reads |
 | ctog, gtoc, dtoc, ctod, comp | a layer's seconds of each transfer, and of compute |
 | host, host_step_s | a layer's seconds of host work: one engine step per GPU batch (not in FlexGen) |
-| T_pre, T_gen | a unit's prefill time, and its average decode time per token: a layer's, or with CPU attention in decode a transformer block's (its terms summed over its two layers) |
-| T | block latency: sum over units of T_pre + (n - 1) T_gen |
+| T_pre, T_gen | a layer's prefill time, and its average decode time per token |
+| T | block latency: sum over layers of T_pre + (n - 1) T_gen |
 """
 
 from __future__ import annotations
@@ -175,30 +175,6 @@ class CostModel:
             "disk": x["wd"] * self.W_total + x["cd"] * cache + x["hd"] * act,
         }
 
-    # ---- how layers are priced together -----------------------------------
-    def groups(self, stage: str) -> list[tuple[str, ...]]:
-        """Layer kinds priced as one unit in a stage, each unit as the max of its terms summed over
-        its kinds. In decode with CPU attention and overlap, a transformer block (attention and
-        MLP layer) is one unit: the engine starts an attention layer's CPU work and goes on with
-        the next layers' weight copies and GPU work, so a block's resources overlap across its two
-        layers, not within each. Otherwise each kind is its own unit (FlexGen's per-layer max)."""
-        if stage == "g" and self.ch.cpu_cache_compute and self.ch.overlap:
-            return [("embed",), ("attn", "mlp"), ("head",)]
-        return [(k,) for k in KINDS]
-
-    def unit_terms(self, terms: Mapping[tuple[str, str], Mapping[str, Any]]) -> dict[tuple[str, tuple[str, ...]], dict[str, Any]]:
-        """Each unit's terms, summed over its kinds, keyed by (stage, kinds)."""
-        out: dict[tuple[str, tuple[str, ...]], dict[str, Any]] = {}
-        for stage in ("p", "g"):
-            for kinds in self.groups(stage):
-                names = {name for k in kinds for name in terms[(stage, k)]}
-                out[(stage, kinds)] = {name: sum(terms[(stage, k)].get(name, 0) for k in kinds) for name in names}
-        return out
-
-    def unit_count(self, kinds: tuple[str, ...]) -> int:
-        """Units of these kinds in the model (a block's kinds come once per block)."""
-        return self.count[kinds[0]]
-
     # ---- evaluation ----------------------------------------------------
     def layer_time(self, t: Mapping[str, float]) -> float:
         return max(t.values()) if self.ch.overlap else sum(t.values())
@@ -206,17 +182,13 @@ class CostModel:
     def evaluate(self, x: Mapping[str, float]) -> Prediction:
         n = self.work.gen_len
         terms = self.terms(x)
-        units = self.unit_terms(terms)
-
-        def stage_time(stage: str) -> float:
-            return sum(self.unit_count(kinds) * self.layer_time(units[(stage, kinds)]) for kinds in self.groups(stage))
-
-        pre, decode = stage_time("p"), (n - 1) * stage_time("g")
+        pre = sum(self.count[k] * self.layer_time(terms[("p", k)]) for k in KINDS)
+        gen = sum(self.count[k] * self.layer_time(terms[("g", k)]) for k in KINDS)
+        decode = (n - 1) * gen
+        worst = max(KINDS, key=lambda k: self.count[k] * self.layer_time(terms[("g" if n > 1 else "p", k)]))
         stage = "g" if n > 1 else "p"
-        worst = max(self.groups(stage), key=lambda ks: self.unit_count(ks) * self.layer_time(units[(stage, ks)]))
-        term = max(units[(stage, worst)].items(), key=lambda kv: kv[1])[0]
-        what = "blocks" if len(worst) > 1 else f"{worst[0]} layers"
-        return Prediction(pre, decode, self.throughput(pre + decode), f"{term} ({what})",
+        term = max(terms[(stage, worst)].items(), key=lambda kv: kv[1])[0]
+        return Prediction(pre, decode, self.throughput(pre + decode), f"{term} ({worst} layers)",
                           {t: float(v) for t, v in self.memory(x).items()},
                           {f"{st}/{k}": {a: float(b) for a, b in v.items()} for (st, k), v in terms.items()})
 

@@ -72,15 +72,14 @@ def solve_lp(model: CostModel, budget: Budget, max_latency: float | None = None,
         prob += x[a] + x[b] + x[c] == 1
     n = model.work.gen_len
     latency, traffic = 0, 0
-    for (stage, kinds), terms in model.unit_terms(model.terms(x)).items():
-        kind = "_".join(kinds)
+    for (stage, kind), terms in model.terms(x).items():
         t = _var(prob, f"T_{stage}_{kind}", None)
         if model.ch.overlap:
             for name, expr in terms.items():
                 prob += t >= expr, f"{stage}_{kind}_{name}"
         else:
             prob += t >= pulp.lpSum(terms.values()), f"{stage}_{kind}_serial"
-        steps = model.unit_count(kinds) * (1 if stage == "p" else n - 1)
+        steps = model.count[kind] * (1 if stage == "p" else n - 1)
         latency += steps * t
         traffic += steps * pulp.lpSum(terms[k] for k in TRANSFERS)
     prob += traffic if least_traffic else latency
