@@ -70,7 +70,7 @@ def flexoff_runs(model: str, batch: int, prompt_len: int, gen_len: int, variants
             L = len(llm.model.spec.layers)
             out.append({"system": f"flexoff-{v}", "batch": batch, "total_s": total, "decode_step_ms": 1e3 * step,
                         "generation_throughput": full.generated_tokens / total,
-                        "host_ms_per_layer_step": 1e3 * step / L if v == "loop" else None})
+                        "loop_ms_per_layer_step": 1e3 * step / L if v == "loop" else None})
         spec = llm.model.spec
     return out, spec
 
@@ -119,10 +119,10 @@ def main(argv: list[str] | None = None) -> int:
                      vs_transformers=r["generation_throughput"] / hf_tp if hf_tp else None, **env)
         rows += runs
         print(table(runs, ["system", "batch", "decode_step_ms", "bound_ms", "step_over_bound",
-                           "generation_throughput", "vs_transformers", "host_ms_per_layer_step"]), flush=True)
+                           "generation_throughput", "vs_transformers", "loop_ms_per_layer_step"]), flush=True)
     write_jsonl(args.out, rows)
     print(table(rows, ["system", "batch", "decode_step_ms", "bound_ms", "step_over_bound",
-                       "generation_throughput", "vs_transformers", "host_ms_per_layer_step"]))
+                       "generation_throughput", "vs_transformers", "loop_ms_per_layer_step"]))
     return 0
 
 
