@@ -80,9 +80,3 @@ def _order(sweep: Sweep, num_layers: int, num_batches: int, early: Collection[in
                 order[a], order[a + 1] = order[a + 1], order[a]
     return order
 
-
-def zigzag(gen_len: int, num_layers: int, num_batches: int,
-           early: Collection[int] = ()) -> Iterator[tuple[Step, Step | None]]:
-    """Inference's (step, next step) pairs: the forward sweeps of block_plan."""
-    for p in block_plan(forward_sweeps(gen_len), num_layers, num_batches, early=early, ahead=0):
-        yield p.step, p.next

@@ -15,7 +15,7 @@ from flexoff import LLM, Policy
 from flexoff.errors import MemoryBudgetError
 from flexoff.offload.engine import Engine
 from flexoff.offload.placement import row_segments, row_split
-from flexoff.offload.schedule import Step, zigzag
+from flexoff.offload.schedule import Step, block_plan, forward_sweeps
 from flexoff.offload.tiers import Budgets, MemTier
 from reference import PROMPTS
 
@@ -23,11 +23,19 @@ DISK = Policy(gpu_batch_size=2, num_gpu_batches=2, w_gpu_percent=0, w_cpu_percen
               cache_gpu_percent=0, cache_cpu_percent=0, act_gpu_percent=0, act_cpu_percent=50)
 
 
+def zigzag(gen_len: int, layers: int, batches: int, early=()):
+    """The inference plan's (step, next step) pairs."""
+    return [(p.step, p.next) for p in block_plan(forward_sweeps(gen_len), layers, batches, early=early)]
+
+
 def test_zigzag_order_and_lookahead():
-    steps = list(zigzag(2, 3, 2))
+    steps = zigzag(2, 3, 2)
     order = [Step(i, j, k) for i in range(2) for j in range(3) for k in range(2)]
     assert [s for s, _ in steps] == order
     assert [n for _, n in steps] == order[1:] + [None]
+    stages = [p.stage for p in block_plan(forward_sweeps(2), 3, 2, ahead=1)]
+    # layer j's batch 0 starts loading layer j + 1, wrapping to the next token step's layer 0
+    assert stages == [(1,), (), (2,), (), (0,), (), (1,), (), (2,), (), (), ()]
 
 
 def test_zigzag_early_layers_start_before_the_layer_before_ends_in_decode():
