@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from tqdm import tqdm
 
+from flexoff import validate
 from flexoff.checkpoint import LoadedModel, load_model
 from flexoff.errors import FlexoffError, GpuOutOfMemoryError, InputError
 from flexoff.generation import Completion, Request, RunStats, plan_blocks, run_block
@@ -115,8 +116,9 @@ class LLM:
         out, seen = [], set()
         for n, p in enumerate(prompts):
             d = p if isinstance(p, dict) else {"prompt": p}
+            where = f"line {d['_line']}" if "_line" in d else f"request {d.get('id', n)}"
+            d = validate.request(d, where)
             rid = str(d.get("id", n))
-            where = f"line {d['_line']}" if "_line" in d else f"request {rid}"
             if rid in seen:
                 raise InputError(f"{where}: duplicate id {rid!r}")
             seen.add(rid)
@@ -134,25 +136,19 @@ class LLM:
         return out
 
     def _tokenize(self, d: dict[str, Any], where: str) -> tuple[Any, list[int]]:
-        if "prompt_ids" in d:
-            ids = d["prompt_ids"]
+        """The prompt as the output shows it, and its token ids (d passed validate.request)."""
+        p = d.get("prompt")
+        if "messages" in d or (isinstance(p, list) and isinstance(p[0], dict)):
+            shown = d.get("messages", p)
+            ids = self.tokenizer.chat(shown)
+        elif "prompt_ids" in d or isinstance(p, list):
+            shown = ids = d.get("prompt_ids", p)
             vocab = self.model.spec.vocab_size
-            if not isinstance(ids, list) or not all(isinstance(i, int) and 0 <= i < vocab for i in ids):
-                raise InputError(f"{where}: prompt_ids must be a list of token ids below {vocab}")
-            shown: Any = ids
-        elif "messages" in d or isinstance(d.get("prompt"), list) and d["prompt"] and isinstance(d["prompt"][0], dict):
-            msgs = d.get("messages", d.get("prompt"))
-            if not isinstance(msgs, list) or not all(isinstance(m, dict) and "role" in m and "content" in m for m in msgs):
-                raise InputError(f"{where}: messages must be a list of {{role, content}} objects")
-            shown, ids = msgs, self.tokenizer.chat(msgs)
-        elif isinstance(d.get("prompt"), list):
-            return self._tokenize({"prompt_ids": d["prompt"]}, where)
+            if max(ids) >= vocab:
+                raise InputError(f"{where}: prompt_ids must be token ids below {vocab}, got {max(ids)}")
         else:
-            text = d.get("prompt")
-            if not isinstance(text, str):
-                raise InputError(f"{where}: needs a 'prompt' string, 'messages' or 'prompt_ids'")
-            shown, ids = text, self.tokenizer.encode(text)
-        if not ids or (isinstance(shown, str) and not shown.strip()):
+            shown, ids = p, self.tokenizer.encode(p)
+        if not ids:
             raise InputError(f"{where}: the prompt is empty")
         return shown, ids
 

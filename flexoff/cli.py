@@ -7,7 +7,6 @@ Does not know: how anything is computed.
 
 from __future__ import annotations
 
-import re
 import signal
 import sys
 from pathlib import Path
@@ -15,20 +14,15 @@ from typing import Any
 
 import click
 
+from flexoff import validate
 from flexoff.errors import FlexoffError, PolicyError
 
-SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-              "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
 def parse_size(text: str | None) -> int | None:
-    """'16GiB', '500MB', '2e9' -> bytes."""
-    if text is None:
-        return None
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in SIZE_UNITS:
-        raise click.BadParameter(f"{text!r} is not a size; use e.g. 16GiB, 500MB or a number of bytes")
-    return int(float(m.group(1)) * SIZE_UNITS[m.group(2).lower()])
+    """'16GiB', '500MB', '2e9' -> bytes (validate.size, as a click error)."""
+    try:
+        return validate.size(text)
+    except FlexoffError as e:
+        raise click.BadParameter(str(e)) from None
 
 
 def _size(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:
@@ -129,6 +123,7 @@ def run(model: str | None, input_path: str, output_path: str, max_new_tokens: in
     defaults = SamplingParams(max_new_tokens, temperature, top_p, top_k, None, tuple(stop))
     if input_path != "-":
         read_prompts(input_path, chat)  # fail fast on a bad file, before loading the model
+    validate.output_file(output_path, "--output", input_path)
     llm = LLM(model, policy=policy, device=device, dtype=dtype, allow_pickle=allow_pickle,
               offload_dir=offload_dir, gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk_mem=disk_mem, seed=seed,
               progress=not quiet, hardware=hardware,
@@ -185,6 +180,8 @@ def profile(offload_dir: str | None, output: str | None) -> None:
     from flexoff import profiler
     from flexoff.policy import hardware
 
+    if output:
+        validate.output_file(output, "--output")
     hw = profiler.measure(offload_dir)
     hardware.save(hw, hardware.cache_path())
     if output:
@@ -243,6 +240,8 @@ def policy_search(model: str, prompt_len: int, gen_len: int, num_prompts: int | 
     from flexoff.policy.cost_model import Workload
     from flexoff.policy.search import Budget, search
 
+    if json_path:
+        validate.output_file(json_path, "--json")
     spec = load_model(model).spec
     hw = profiler.load(hardware, log=lambda m: click.echo(m, err=True))
     budget = Budget.of(hw, gpu_mem, cpu_mem, disk_mem)
@@ -302,6 +301,7 @@ def eval_run(entries: tuple[str, ...], confs: tuple[str, ...], model: str | None
     all_entries = list(entries) + [e for c in confs for e in read_entries(c)]
     if not all_entries:
         raise InputError("give --run-entries or --conf-paths")
+    validate.output_folder(output_path)
     policy = build_policy(policy_arg, percent, gpu_batch_size, num_gpu_batches, cpu_cache_compute,
                           no_overlap, compress_weight, compress_cache)
     name = model or "smollm2"
@@ -344,6 +344,7 @@ def eval_summarize(suite: str, output_path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point: user errors are one line on stderr and exit code 2."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run cleanups (offload folder) on kill
+    signal.signal(signal.SIGHUP, lambda *_: sys.exit(129))  # and when the terminal closes
     try:
         cli.main(args=argv, prog_name="flexoff", standalone_mode=False)
         return 0

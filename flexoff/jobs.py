@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from flexoff import validate
 from flexoff.errors import InputError
-
-PROMPT_KEYS = ("prompt", "messages", "prompt_ids")
+from flexoff.lock import OutputLock
 
 
 def read_prompts(path: str, chat: bool = False) -> list[dict[str, Any]]:
@@ -32,21 +32,9 @@ def read_prompts(path: str, chat: bool = False) -> list[dict[str, Any]]:
     except (OSError, UnicodeDecodeError) as e:
         raise InputError(f"cannot read prompts file {path}: {e}") from None
     out = []
-    for n, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            d = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise InputError(f"{name} line {n}: not valid JSON ({e.msg})") from None
-        if not isinstance(d, dict) or not any(k in d for k in PROMPT_KEYS):
-            raise InputError(f"{name} line {n}: expected an object with 'prompt', 'messages' or 'prompt_ids'")
-        if isinstance(d.get("prompt"), str) and not d["prompt"].strip():
-            raise InputError(f"{name} line {n}: the prompt is empty")
-        d.setdefault("id", n)
-        if not isinstance(d["id"], (str, int)) or isinstance(d["id"], bool):
-            raise InputError(f"{name} line {n}: 'id' must be a string or an integer")
-        d["id"] = str(d["id"])
+    for n, raw in validate.read_jsonl(text, name):
+        d = validate.request(raw, f"{name} line {n}")
+        d["id"] = str(d.get("id", n))
         if chat and isinstance(d.get("prompt"), str):
             d["messages"] = [{"role": "user", "content": d.pop("prompt")}]
         d["_line"] = n
@@ -101,15 +89,21 @@ class ResultWriter:
             sys.stdout.write(text)
             sys.stdout.flush()
             return
-        if self._f is None:
-            self._f = open(self.path, "a", encoding="utf-8")
-        self._f.write(text)
-        self._f.flush()
-        os.fsync(self._f.fileno())
+        try:
+            if self._f is None:
+                self._f = open(self.path, "a", encoding="utf-8")
+            self._f.write(text)
+            self._f.flush()
+            os.fsync(self._f.fileno())
+        except OSError as e:  # a full disk, say: one line, and a rerun resumes
+            raise validate.write_error(self.path, e) from None
 
     def close(self) -> None:
         if self._f is not None:
-            self._f.close()
+            try:
+                self._f.close()
+            except OSError:  # its error was raised by write already
+                pass
             self._f = None
 
 
@@ -121,14 +115,17 @@ class JobResult:
 
 
 def run_job(llm: Any, input_path: str, output_path: str, defaults: Any, chat: bool = False) -> JobResult:
-    """Run every prompt of input_path not yet answered in output_path."""
-    rows = read_prompts(input_path, chat)
-    requests = llm.make_requests(rows, defaults)
-    done = answered_ids(output_path)
-    todo = [r for r in requests if r.id not in done]
-    writer = ResultWriter(output_path)
-    try:
-        out = llm.generate([], requests=todo, on_block=lambda comps, _: writer.write([c.to_json() for c in comps]))
-    finally:
-        writer.close()
+    """Run every prompt of input_path not yet answered in output_path, holding the output's lock."""
+    validate.output_file(output_path, "--output", input_path)
+    with OutputLock(output_path):
+        rows = read_prompts(input_path, chat)
+        requests = llm.make_requests(rows, defaults)
+        done = answered_ids(output_path)
+        todo = [r for r in requests if r.id not in done]
+        writer = ResultWriter(output_path)
+        try:
+            out = llm.generate([], requests=todo,
+                               on_block=lambda comps, _: writer.write([c.to_json() for c in comps]))
+        finally:
+            writer.close()
     return JobResult(len(requests), len(requests) - len(todo), out.stats)

@@ -135,7 +135,11 @@ class DiskTier:
     def __init__(self, root: str | None = None):
         if root is not None:
             os.makedirs(root, exist_ok=True)
-        self.dir = tempfile.mkdtemp(prefix="flexoff-", dir=root)  # created 0700
+        remove_stale(root or tempfile.gettempdir())
+        self.dir = tempfile.mkdtemp(prefix=PREFIX, dir=root)  # created 0700
+        fd = os.open(os.path.join(self.dir, OWNER), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, f"{os.getpid()}\n".encode())  # whose it is, for remove_stale
+        os.close(fd)
         self.name = "disk"
         self.used = 0
         self.peak = 0
@@ -160,6 +164,39 @@ class DiskTier:
 
     def close(self) -> None:
         self._finalizer()
+
+
+PREFIX, OWNER = "flexoff-", "owner.pid"
+
+
+def remove_stale(root: str) -> None:
+    """Remove the offload folders under root that processes now dead left behind (killed with
+    SIGKILL, or by a crash of the machine): ours (same user) with an owner pid no longer running."""
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return
+    for e in entries:
+        if not e.name.startswith(PREFIX) or not e.is_dir(follow_symlinks=False):
+            continue
+        try:
+            if e.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+            pid = int(open(os.path.join(e.path, OWNER)).read().strip())
+        except (OSError, ValueError):
+            continue  # not one of ours, or being set up right now
+        if pid != os.getpid() and not _alive(pid):
+            shutil.rmtree(e.path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _remove_dir(path: str, files: list[DiskFile]) -> None:
@@ -194,7 +231,7 @@ class Tiers:
         return self._disk
 
     def get(self, name: str):
-        return {"gpu": self.gpu, "cpu": self.cpu, "disk": self.disk}[name]
+        return self.disk if name == "disk" else {"gpu": self.gpu, "cpu": self.cpu}[name]  # disk only if asked
 
     def alloc(self, tier: str, nbytes: int):
         return self.get(tier).alloc(nbytes)

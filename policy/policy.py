@@ -59,9 +59,13 @@ class Policy:
             total = getattr(self, f"{what}_gpu_percent") + getattr(self, f"{what}_cpu_percent")
             if total > 100 + 1e-9:
                 raise PolicyError(f"{what}_gpu_percent + {what}_cpu_percent is {total:g}, over 100")
-        if self.quant_bits not in (4, 8):
+        for name in ("compress_weight", "compress_cache", "cpu_cache_compute", "overlap"):
+            if not isinstance(getattr(self, name), bool):
+                raise PolicyError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if isinstance(self.quant_bits, bool) or self.quant_bits not in (4, 8):
             raise PolicyError(f"quant_bits must be 4 or 8, got {self.quant_bits!r}")
-        if not isinstance(self.quant_group, int) or self.quant_group < 2 or self.quant_group % 2:
+        if not isinstance(self.quant_group, int) or isinstance(self.quant_group, bool) or self.quant_group < 2 \
+                or self.quant_group % 2:
             raise PolicyError(f"quant_group must be an even integer >= 2, got {self.quant_group!r}")
 
     # ---- derived -------------------------------------------------------

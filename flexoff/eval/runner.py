@@ -16,11 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+from flexoff import validate
 from flexoff.eval.adapter import Prompt, build_prompt, train_examples
 from flexoff.eval.metrics import Stat, best_over_references, derived, language_modeling
 from flexoff.eval.runspec import RunSpec
 from flexoff.eval.scenarios import TEST, SyntheticEfficiency
 from flexoff.jobs import ResultWriter, answered_ids
+from flexoff.lock import OutputLock
 
 COMPLETIONS = "completions.jsonl"
 EFFICIENCY = "efficiency.jsonl"
@@ -55,6 +57,12 @@ def evaluate(llm: Any, run: RunSpec, output_path: str, suite: str, max_eval_inst
              on_progress: Callable[[int], None] | None = None) -> EvalResult:
     folder = run_folder(output_path, suite, run)
     folder.mkdir(parents=True, exist_ok=True)
+    with OutputLock(str(folder)):  # one writer per run folder
+        return _evaluate(llm, run, folder, max_eval_instances, on_progress)
+
+
+def _evaluate(llm: Any, run: RunSpec, folder: Path, max_eval_instances: int | None,
+              on_progress: Callable[[int], None] | None) -> EvalResult:
     (folder / "run_spec.json").write_text(json.dumps(run.to_json(), indent=2))
     prompts = prompts_for(run, llm, max_eval_instances)
     spec = run.adapter_spec
@@ -95,7 +103,7 @@ def _defaults() -> Any:
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
-    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+    return [row for _, row in validate.read_jsonl(path.read_text(encoding="utf-8"), str(path))]
 
 
 def instance_stats(run: RunSpec, p: Prompt, c: dict[str, Any]) -> dict[str, float]:

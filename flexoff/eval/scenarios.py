@@ -11,11 +11,11 @@ Does not know: prompts, models, metrics.
 from __future__ import annotations
 
 import csv
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, ClassVar
 
+from flexoff import validate
 from flexoff.errors import InputError
 
 CORRECT = "correct"
@@ -62,6 +62,7 @@ class Scenario:
     args: dict[str, str] = field(default_factory=dict)
     description: str = ""
     tags: tuple[str, ...] = ()
+    ARGS: ClassVar[tuple[str, ...]] = ()  # the run-entry keys this scenario takes
 
     def instances(self) -> list[Instance]:  # pragma: no cover - interface
         raise NotImplementedError
@@ -80,6 +81,11 @@ def register(name: str) -> Callable:
 def make_scenario(name: str, args: dict[str, str]) -> Scenario:
     if name not in SCENARIOS:
         raise InputError(f"unknown scenario {name!r}; known: {', '.join(sorted(SCENARIOS))}")
+    known = getattr(SCENARIOS[name], "ARGS", ())
+    unknown = sorted(set(args) - set(known))
+    if unknown:
+        raise InputError(f"{name} takes no argument {unknown[0]!r}; it takes {', '.join(known) or 'none'} "
+                         "and the adapter's fields")
     return SCENARIOS[name](args)
 
 
@@ -96,14 +102,7 @@ def _read_rows(path: str) -> list[dict[str, Any]]:
         if p.suffix == ".csv":
             with open(p, newline="", encoding="utf-8") as f:
                 return list(csv.DictReader(f))
-        rows = []
-        for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-            if line.strip():
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise InputError(f"{path} line {n}: not valid JSON ({e.msg})") from None
-        return rows
+        return [row for _, row in validate.read_jsonl(p.read_text(encoding="utf-8"), path)]
     except OSError as e:
         raise InputError(f"cannot read {path}: {e.strerror}") from None
 
@@ -120,6 +119,8 @@ class GenerationFile(Scenario):
     `references` (a list, all correct) or `output` (neither, for language modeling); optional
     `id` and `split` (train rows are the few-shot pool; without a split column every
     `train_every`-th row is train)."""
+
+    ARGS = ("path", "train_every")
 
     def __init__(self, args: dict[str, str]):
         super().__init__("generation", args, "generation tasks from a local file")
@@ -145,6 +146,8 @@ LETTERS = "ABCDEFGHIJKLMNOPQRSTUVWXYZ"
 class MultipleChoiceFile(Scenario):
     """A local multiple-choice file (MMLU-style). JSONL: `question`, `choices` (list), `answer`
     (index or letter). CSV: question, A, B, C, D, ..., answer."""
+
+    ARGS = ("path", "train_every")
 
     def __init__(self, args: dict[str, str]):
         super().__init__("multiple_choice", args, "multiple-choice questions from a local file")
@@ -172,6 +175,8 @@ class SyntheticEfficiency(Scenario):
     """Prompts of exactly num_prompt_tokens tokens cut from a text file (default: an English text
     shipped with flexoff), for measuring efficiency; references are empty. The cutting needs the
     tokenizer, so the runner calls `cut`."""
+
+    ARGS = ("num_prompt_tokens", "num_instances", "path")
 
     def __init__(self, args: dict[str, str]):
         super().__init__("synthetic_efficiency", args, "exact-length prompts from a local text")

@@ -69,6 +69,7 @@ class _Procedural(Scenario):
 @register("synthetic_reasoning")
 class SyntheticReasoning(_Procedural):
     MODES = ("pattern_match", "variable_substitution", "induction")
+    ARGS = ("mode", "seed", "num_train", "num_test")
 
     def __init__(self, args: dict[str, str]):
         super().__init__("synthetic_reasoning", args, "LIME-style symbolic reasoning", ("reasoning",))
@@ -111,6 +112,8 @@ DIFFICULTY = {"easy": (2, 1, 1), "medium": (4, 2, 2), "hard": (6, 2, 3)}  # rule
 
 @register("synthetic_reasoning_natural")
 class SyntheticReasoningNatural(_Procedural):
+    ARGS = ("difficulty", "seed", "num_train", "num_test")
+
     def __init__(self, args: dict[str, str]):
         super().__init__("synthetic_reasoning_natural", args, "if-then reasoning in English", ("reasoning",))
         self.difficulty = args.get("difficulty", "easy")

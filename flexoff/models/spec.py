@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Mapping
 
+from flexoff import validate
 from flexoff.errors import ModelError
 from flexoff.models.base import Family, LayerSpec
 from flexoff.models.llama import Llama, LlamaConfig
@@ -34,6 +35,15 @@ def build_family(config: Mapping[str, Any]) -> Family:
     if model_type not in FAMILIES:
         raise ModelError(
             f"model type {model_type!r} is not supported; supported: {', '.join(sorted(FAMILIES))}")
+    validate.config_sizes(config, ("vocab_size", "hidden_size", "intermediate_size", "ffn_dim", "num_hidden_layers",
+                                   "num_attention_heads", "num_key_value_heads", "head_dim",
+                                   "max_position_embeddings"))
+    heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if heads and kv and heads % kv:
+        raise ModelError(f"config.json: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv})")
+    if heads and not config.get("head_dim") and config.get("hidden_size", 0) % heads:
+        raise ModelError(f"config.json: hidden_size ({config['hidden_size']}) must be a multiple of "
+                         f"num_attention_heads ({heads})")
     try:
         return FAMILIES[model_type](config)
     except KeyError as e:

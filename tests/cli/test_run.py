@@ -82,7 +82,9 @@ def test_bad_flags_exit_2_with_one_line(tiny, tmp_path, capsys, flags, message):
 BAD_INPUTS = [
     ('{"prompt_ids": [5]}\n{"prompt_ids": [6]\n', "line 2: not valid JSON"),
     ('{"prompt": "   "}\n', "line 1: the prompt is empty"),
-    ('{"text": "no prompt key"}\n', "line 1: expected an object"),
+    ('{"text": "no prompt key"}\n', "line 1: unknown field 'text'"),
+    ('{"id": "no prompt"}\n', "line 1: give exactly one of 'prompt', 'messages' or 'prompt_ids'"),
+    ('[1, 2]\n', "line 1: expected a JSON object"),
     ('{"prompt_ids": [5]}\n{"prompt_ids": [' + ",".join(["5"] * 300) + "]}\n", "line 2: the prompt of 300 tokens"),
     ('{"prompt_ids": [5], "id": 1}\n{"prompt_ids": [6], "id": "1"}\n', "duplicate id"),
     ('{"prompt_ids": [5], "top_k": -2}\n', "line 1: top_k"),
