@@ -158,6 +158,13 @@ def config_sizes(config: Mapping[str, Any], keys: tuple[str, ...], where: str = 
             raise ModelError(f"{where}: {k} must be a positive integer, got {config[k]!r}")
 
 
+def config_numbers(config: Mapping[str, Any], keys: tuple[str, ...], where: str = "config.json") -> None:
+    """The config's real-valued settings that are present must be finite positive numbers."""
+    for k in keys:
+        if k in config and config[k] is not None and not (_is_number(config[k]) and config[k] > 0):
+            raise ModelError(f"{where}: {k} must be a positive number, got {config[k]!r}")
+
+
 # ---- output paths ----------------------------------------------------------------------------
 def output_file(path: str, what: str = "--output", input_path: str | None = None) -> None:
     """A file we may create or append to: not a folder, its folder exists and is writable, and

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import platform
 import shutil
@@ -60,11 +61,22 @@ class Hardware:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Hardware":
+        if not isinstance(d, dict):
+            raise FlexoffError("a hardware profile must be a JSON object; run `flexoff profile` again")
         known = {f.name for f in fields(cls)}
         optional = {f.name for f in fields(cls) if f.default is not MISSING}
         missing = sorted(known - optional - set(d))
         if missing:
             raise FlexoffError(f"hardware profile lacks {', '.join(missing)}; run `flexoff profile` again")
+        for f in fields(cls):
+            v = d.get(f.name)
+            if f.name in ("name", "device"):
+                ok = isinstance(v, str) and (f.name == "name" or v in ("cuda", "cpu"))
+            else:  # rates and sizes: finite, positive (the host step may be 0)
+                ok = v is None and f.name in optional or isinstance(v, (int, float)) and not isinstance(v, bool) \
+                    and math.isfinite(v) and (v > 0 or f.name == "host_step_s" and v == 0)
+            if not ok:
+                raise FlexoffError(f"hardware profile: {f.name} is {v!r}; run `flexoff profile` again")
         return cls(**{k: d[k] for k in known if k in d})
 
 

@@ -342,3 +342,27 @@ def test_property_bad_flag_values_exit_2(tmp_path_factory, capsys, flag, value):
         return
     one_line_exit_2(code, err)
     assert out.read_text() == '{"id": "old"}\n'
+
+
+def test_3_config_files_of_the_wrong_shape_are_one_line(tiny, tmp_path, capsys):
+    inp, out = job(tmp_path, ['{"prompt": "hi"}'])
+    model = tmp_path / "m"
+    shutil.copytree(tiny["llama"].path, model)
+    (model / "config.json").write_text("[1, 2]")
+    hw_list, hw_type, conf, pol = (tmp_path / n for n in ("hw1.json", "hw2.json", "conf.json", "pol.json"))
+    hw_list.write_text("[1]")
+    from flexoff.policy.hardware import h200
+
+    hw_type.write_text(json.dumps({**json.loads(h200().to_json()), "ctog_bdw": "fast"}))
+    conf.write_text("42")
+    pol.write_text("[]")
+    cases = [["run", "--model", str(model), "--input", str(inp), "--output", str(out)],
+             ["policy", "search", "--model", "dummy:opt-tiny", "--prompt-len", "8", "--gen-len", "2", "--hardware",
+              str(hw_list)],
+             ["policy", "search", "--model", "dummy:opt-tiny", "--prompt-len", "8", "--gen-len", "2", "--hardware",
+              str(hw_type)],
+             ["eval", "run", "--conf-paths", str(conf)],
+             ["run", "--input", str(inp), "--output", str(out), "--policy", str(pol)]]
+    for args in cases:
+        one_line_exit_2(*cli(capsys, *args))
+    assert out.read_text() == '{"id": "old"}\n'

@@ -91,9 +91,15 @@ def read_entries(path: str) -> list[str]:
         raise InputError(f"{path} is not valid {'YAML' if p.suffix != '.json' else 'JSON'}: {e}") from None
     if isinstance(data, dict):
         data = data.get("entries", [])
+    shape = f"{path} must list run entries: strings, or {{entries: [{{description: string}}, ...]}}"
+    if data is not None and not isinstance(data, list):
+        raise InputError(shape)
     out = []
     for e in data or []:
-        out.append(e["description"] if isinstance(e, dict) else str(e))
+        e = e.get("description") if isinstance(e, dict) else e
+        if not isinstance(e, str):
+            raise InputError(shape)
+        out.append(e)
     if not out:
         raise InputError(f"{path} lists no run entries")
     return out

@@ -31,6 +31,8 @@ FAMILIES = {
 
 def build_family(config: Mapping[str, Any]) -> Family:
     """The family object for a Hugging Face config dict."""
+    if not isinstance(config, Mapping):
+        raise ModelError("config.json must be a JSON object")
     model_type = config.get("model_type")
     if model_type not in FAMILIES:
         raise ModelError(
@@ -38,6 +40,7 @@ def build_family(config: Mapping[str, Any]) -> Family:
     validate.config_sizes(config, ("vocab_size", "hidden_size", "intermediate_size", "ffn_dim", "num_hidden_layers",
                                    "num_attention_heads", "num_key_value_heads", "head_dim",
                                    "max_position_embeddings"))
+    validate.config_numbers(config, ("rms_norm_eps", "layer_norm_eps", "rope_theta"))
     heads, kv = config.get("num_attention_heads"), config.get("num_key_value_heads")
     if heads and kv and heads % kv:
         raise ModelError(f"config.json: num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv})")
