@@ -11,8 +11,8 @@ Does not know: files and resumption (flexoff.jobs), the schedule (offload/).
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from tqdm import tqdm
@@ -25,11 +25,10 @@ from flexoff.offload.engine import Engine
 from flexoff.offload.residency import Residency
 from flexoff.offload.tiers import Budgets
 from flexoff.policy.policy import Policy
-from flexoff.sampling import SamplingParams
+from flexoff.sampling import FIELDS, SamplingParams
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-PARAM_FIELDS = {f.name for f in fields(SamplingParams)}
 DEFAULT_BATCH = 16
 OOM_RETRIES = 2  # searches again with less GPU memory after running out, for --policy auto
 
@@ -64,10 +63,65 @@ def pick_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
 
 
 @dataclass
+class CompletionOutput:
+    """One sample of a request, as vLLM's API names it."""
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    logprobs: list[dict[int, float]] | None  # per token: {token id: log-probability}, the chosen first
+
+
+@dataclass
+class RequestOutput:
+    """A request's results, as vLLM's API names them."""
+    request_id: str
+    prompt: Any
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+
+
+def request_output(comps: list[Completion], prompt_ids: list[int]) -> RequestOutput:
+    def lps(c: Completion) -> list[dict[int, float]] | None:
+        if c.logprobs is None:
+            return None
+        return [{t: ch, **{i: v for i, v in top if i != t}} for t, ch, top in zip(c.token_ids, c.logprobs.chosen,
+                                                                                   c.logprobs.top)]
+
+    return RequestOutput(comps[0].id, comps[0].prompt, prompt_ids,
+                         [CompletionOutput(c.index, c.text, c.token_ids, c.finish_reason, lps(c)) for c in comps])
+
+
+@dataclass
 class GenerationOutput:
+    """Every sample of every request (`completions`, in input order, samples together) and the
+    run's measurements; iterating gives one vLLM-style RequestOutput per request."""
     completions: list[Completion]
     stats: RunStats
     policy: Policy | None = None
+    requests: list[Request] = field(default_factory=list)
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        return iter(self.outputs())
+
+    def __len__(self) -> int:
+        return len(self.outputs())
+
+    def __getitem__(self, i: int) -> RequestOutput:
+        return self.outputs()[i]
+
+    def outputs(self) -> list[RequestOutput]:
+        groups: dict[str, list[Completion]] = {}
+        for c in self.completions:
+            groups.setdefault(c.id, []).append(c)
+        ids = {r.id: r.prompt_ids for r in self.requests}
+        return [request_output(g, ids.get(rid, [])) for rid, g in groups.items()]
+
+
+def _settings(sp: SamplingParams) -> dict[str, Any]:
+    """A SamplingParams as a request's own settings."""
+    return {f: getattr(sp, f) for f in FIELDS}
 
 
 @dataclass
@@ -82,13 +136,15 @@ class LLM:
     def __init__(self, model: str | None = None, *, policy: Policy | str | None = None,
                  device: str | torch.device = "auto", dtype: str | torch.dtype = "auto",
                  allow_pickle: bool = False, offload_dir: str | None = None,
-                 gpu_mem: int | None = None, cpu_mem: int | None = None, disk_mem: int | None = None,
+                 gpu_mem: int | str | None = None, cpu_mem: int | str | None = None,
+                 disk_mem: int | str | None = None,
                  seed: int = 0, progress: bool = False, hardware: str | None = None,
                  compression: tuple[str, str] = ("off", "off")):
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
         self.model: LoadedModel = load_model(model, allow_pickle)
         self.policy_arg = policy
+        gpu_mem, cpu_mem, disk_mem = (validate.size(m) for m in (gpu_mem, cpu_mem, disk_mem))
         self.options = EngineOptions(offload_dir, Budgets(gpu_mem, cpu_mem, disk_mem))
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -122,17 +178,14 @@ class LLM:
             if rid in seen:
                 raise InputError(f"{where}: duplicate id {rid!r}")
             seen.add(rid)
-            settings = {k: v for k, v in d.items() if k in PARAM_FIELDS}
-            if "stop" in settings:
-                s = settings["stop"]
-                settings["stop"] = (s,) if isinstance(s, str) else tuple(s or ())
+            settings = {k: v for k, v in d.items() if k in FIELDS}
             try:
-                params = SamplingParams(**{**{f: getattr(defaults, f) for f in PARAM_FIELDS}, **settings})
+                params = SamplingParams(**{**{f: getattr(defaults, f) for f in FIELDS}, **settings})
             except InputError as e:
                 raise InputError(f"{where}: {e}") from None
             shown, ids = self._tokenize(d, where)
             self._check_length(where, len(ids), params.max_new_tokens)
-            out.append(Request(rid, shown, ids, params))
+            out += [Request(rid, shown, ids, params, j) for j in range(params.n)]
         return out
 
     def _tokenize(self, d: dict[str, Any], where: str) -> tuple[Any, list[int]]:
@@ -221,14 +274,29 @@ class LLM:
             self._capped = False
 
     # ---- generation ----------------------------------------------------
-    def generate(self, prompts: Iterable[Any], *, max_new_tokens: int = 32, temperature: float = 0.0,
+    def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, max_new_tokens: int = 32, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: Sequence[str] | None = None,
                  prompt_logprobs: bool = False,
                  on_block: Callable[[list[Completion], RunStats], None] | None = None,
                  on_logits: Callable[[int, list[str], torch.Tensor], None] | None = None,
                  requests: list[Request] | None = None) -> GenerationOutput:
-        """Complete every prompt; completions come back in input order."""
-        defaults = SamplingParams(max_new_tokens, temperature, top_p, top_k, seed, tuple(stop or ()))
+        """Complete every prompt; completions come back in input order (a request's samples
+        together). `sampling_params` (vLLM's form: one for all prompts, or one per prompt) takes
+        the place of the keyword settings; a prompt's own settings (a dict's keys) win over both."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if isinstance(sampling_params, SamplingParams):
+            defaults = sampling_params
+        elif sampling_params is not None:  # one per prompt: each becomes that prompt's own settings
+            prompts = list(prompts)
+            if len(sampling_params) != len(prompts):
+                raise InputError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts")
+            prompts = [{**(p if isinstance(p, dict) else {"prompt": p}), **_settings(sp)}
+                       for p, sp in zip(prompts, sampling_params)]
+            defaults = SamplingParams()
+        else:
+            defaults = SamplingParams(max_new_tokens, temperature, top_p, top_k, seed, tuple(stop or ()))
         reqs = requests if requests is not None else self.make_requests(prompts, defaults)
         stats = RunStats()
         if not reqs:
@@ -238,7 +306,7 @@ class LLM:
         bar = tqdm(total=len(reqs), desc="generating", unit="prompt", disable=not self.progress)
         try:
             for attempt in range(OOM_RETRIES + 1):
-                todo = [r for r in reqs if r.id not in done]
+                todo = [r for r in reqs if r.key not in done]
                 try:  # setting up the engine may run out too (weights loaded through the GPU)
                     engine = self.engine_for(policy, max(len(r.prompt_ids) for r in todo),
                                              max(1, max(r.params.max_new_tokens for r in todo)))
@@ -246,8 +314,8 @@ class LLM:
                         comps, st = run_block(engine, self.tokenizer, block, self.seed, prompt_logprobs, on_logits)
                         st.peak_bytes = engine.peaks()
                         stats.add(st)
-                        for c in comps:
-                            done[c.id] = c
+                        for r, c in zip(block, comps):
+                            done[r.key] = c
                         if on_block is not None:
                             on_block(comps, st)
                         bar.update(len(block))
@@ -257,7 +325,14 @@ class LLM:
                     policy = self.last_policy = self._after_oom(policy, todo, attempt)
         finally:
             bar.close()
-        return GenerationOutput([done[r.id] for r in reqs], stats, policy)
+        return GenerationOutput([done[r.key] for r in reqs], stats, policy, reqs)
+
+    def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             **kw: Any) -> GenerationOutput:
+        """Complete one conversation (a list of {role, content}) or a list of them, each rendered
+        with the model's chat template."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        return self.generate([{"messages": m} for m in convs], sampling_params, **kw)
 
     def _after_oom(self, policy: Policy, todo: list[Request], attempt: int) -> Policy:
         """The GPU ran out of memory setting up or in a block (finished blocks are kept). A searched

@@ -164,8 +164,30 @@ def load_model(name: str | None, allow_pickle: bool = False) -> LoadedModel:
         return _load_folder(gguf_folder(p), name, allow_pickle)
     if p.is_dir():
         return _load_folder(p, name, allow_pickle)
+    cache = hub_cache()
+    folder = _from_hub_cache(name, cache) if "/" in name and not p.exists() else None
+    if folder is not None:
+        return _load_folder(folder, name, allow_pickle)
     raise ModelError(f"unknown model {name!r}: give a checkpoint folder, a .gguf file, dummy:NAME, "
-                     f"or {DEFAULT_MODEL!r}")
+                     f"{DEFAULT_MODEL!r}, or an id in the local Hugging Face cache (looked in {cache})")
+
+
+def hub_cache() -> str:
+    """The Hugging Face cache folder, as transformers finds it offline (read now, not at import)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    home = os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "huggingface")
+    return os.path.join(home, "hub")
+
+
+def _from_hub_cache(repo_id: str, cache: str) -> Path | None:
+    """The snapshot folder of a model id in the local cache, or None (never downloads)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=True))
+    except Exception:  # not cached, or not a valid id: both mean "not here"
+        return None
 
 
 def _eos(config: dict[str, Any], folder: Path | None = None) -> tuple[int, ...]:

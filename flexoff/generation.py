@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from flexoff.offload.engine import BatchInput, Engine
-from flexoff.sampling import BlockSampler, SamplingParams, row_seed
+from flexoff.sampling import BlockSampler, SamplingParams, TokenLogprobs, row_seed
 from flexoff.tokenizer import Tokenizer
 
 
@@ -26,6 +26,12 @@ class Request:
     prompt: Any  # what the user sent (text, messages or ids), echoed in the output
     prompt_ids: list[int]
     params: SamplingParams
+    sample: int = 0  # which of the request's n samples this row computes
+
+    @property
+    def key(self) -> str:
+        """The row's name: the id, and the sample where there are several."""
+        return self.id if self.params.n == 1 else f"{self.id}#{self.sample}"
 
 
 @dataclass
@@ -37,6 +43,8 @@ class Completion:
     finish_reason: str  # "stop" (EOS or a stop string) or "length"
     prompt_tokens: int
     prompt_logprobs: list[float] | None = None  # log p(token | previous), for prompt tokens 1..n-1
+    index: int = 0  # which of the request's samples
+    logprobs: TokenLogprobs | None = None  # per token of token_ids, where asked for
 
     @property
     def completion_tokens(self) -> int:
@@ -48,7 +56,27 @@ class Completion:
              "finish_reason": self.finish_reason}
         if self.prompt_logprobs is not None:
             d["prompt_logprobs"] = self.prompt_logprobs
+        if self.logprobs is not None:
+            d["logprobs"] = logprobs_json(self.token_ids, self.logprobs)
         return d
+
+
+def logprobs_json(token_ids: list[int], lp: TokenLogprobs) -> list[dict[str, Any]]:
+    """Per generated token: its id, log-probability and the top alternatives."""
+    return [{"token_id": t, "logprob": c, "top": [{"token_id": i, "logprob": v} for i, v in top]}
+            for t, c, top in zip(token_ids, lp.chosen, lp.top)]
+
+
+def group_json(comps: list[Completion]) -> dict[str, Any]:
+    """One output line for a request: its first sample's fields, and every sample under
+    `choices` when there are several."""
+    d = comps[0].to_json()
+    if len(comps) > 1:
+        d["choices"] = [{"index": c.index, "completion": c.text, "completion_tokens": c.completion_tokens,
+                         "finish_reason": c.finish_reason,
+                         **({"logprobs": logprobs_json(c.token_ids, c.logprobs)} if c.logprobs else {})}
+                        for c in comps]
+    return d
 
 
 @dataclass
@@ -125,11 +153,11 @@ class _Row:
         return bool(self.reason)
 
     def push(self, token: int) -> None:
-        if token in self.tok.eos_ids:
+        p = self.req.params
+        if (token in self.tok.eos_ids and not p.ignore_eos) or token in p.stop_token_ids:
             self.reason = "stop"
             return
         self.ids.append(token)
-        p = self.req.params
         if p.stop:
             text = self.tok.decode(self.ids)
             cut = min((text.find(s) for s in p.stop if s in text), default=-1)
@@ -139,10 +167,12 @@ class _Row:
         if len(self.ids) >= p.max_new_tokens:
             self.reason = "length"
 
-    def completion(self, logprobs: list[float] | None) -> Completion:
+    def completion(self, prompt_lp: list[float] | None, lp: TokenLogprobs | None) -> Completion:
         text = self.text if self.text is not None else self.tok.decode(self.ids)
+        if lp is not None:  # the tokens kept (not an end or stop token, nor what came after)
+            lp = TokenLogprobs(lp.chosen[:len(self.ids)], lp.top[:len(self.ids)])
         return Completion(self.req.id, self.req.prompt, text, self.ids, self.reason or "length",
-                          len(self.req.prompt_ids), logprobs)
+                          len(self.req.prompt_ids), prompt_lp, self.req.sample, lp)
 
 
 def run_block(engine: Engine, tokenizer: Tokenizer, block: list[Request], job_seed: int,
@@ -155,14 +185,15 @@ def run_block(engine: Engine, tokenizer: Tokenizer, block: list[Request], job_se
     S = max(len(r.prompt_ids) for r in block)
     gen_len = max(1, max(r.params.max_new_tokens for r in block))
     rows = [[_Row(r, tokenizer) for r in b] for b in batches]
-    sampler = BlockSampler([[r.params for r in b] for b in batches],
-                           [[row_seed(job_seed, r.id, r.params) for r in b] for b in batches], engine.device)
-    if on_logits is not None:
-        inner = sampler
+    chooser = BlockSampler([[r.params for r in b] for b in batches],
+                           [[row_seed(job_seed, r.id, r.params, r.sample) for r in b] for b in batches], engine.device,
+                           [[r.prompt_ids for r in b] for b in batches], tokenizer.eos_ids)
 
-        def sampler(logits: torch.Tensor, k: int, i: int) -> torch.Tensor:  # noqa: F811
-            on_logits(i, [r.id for r in batches[k]], logits)  # (step, request ids, (n, vocab))
-            return inner(logits, k, i)
+    def watched(logits: torch.Tensor, k: int, i: int) -> torch.Tensor:
+        on_logits(i, [r.key for r in batches[k]], logits)  # (step, row names, (n, vocab))
+        return chooser(logits, k, i)
+
+    sampler = chooser if on_logits is None else watched
 
     def on_tokens(step: int, tokens: list[torch.Tensor]) -> bool:
         for brows, toks in zip(rows, tokens):
@@ -176,9 +207,9 @@ def run_block(engine: Engine, tokenizer: Tokenizer, block: list[Request], job_se
     out = []
     for k, brows in enumerate(rows):
         lp = res.prompt_logprobs[k] if prompt_logprobs else None
-        for r, row in enumerate(brows):
+        for r, (row, glp) in enumerate(zip(brows, chooser.logprobs(k))):
             n = len(row.req.prompt_ids)
-            out.append(row.completion(lp[r, S - n:].tolist() if lp is not None else None))
+            out.append(row.completion(lp[r, S - n:].tolist() if lp is not None else None, glp))
     stats = RunStats(prompt_tokens=sum(len(r.prompt_ids) for r in block),
                      generated_tokens=sum(c.completion_tokens for c in out),
                      padded_prompt_tokens=S * len(block), padded_generated_tokens=res.steps * len(block),

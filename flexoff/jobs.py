@@ -19,6 +19,7 @@ from typing import IO, Any
 
 from flexoff import validate
 from flexoff.errors import InputError
+from flexoff.generation import group_json
 from flexoff.lock import OutputLock
 
 
@@ -123,9 +124,21 @@ def run_job(llm: Any, input_path: str, output_path: str, defaults: Any, chat: bo
         done = answered_ids(output_path)
         todo = [r for r in requests if r.id not in done]
         writer = ResultWriter(output_path)
+        samples = {r.id: r.params.n for r in todo}
+        pending: dict[str, list[Any]] = {}
+
+        def on_block(comps: list[Any], _: Any) -> None:  # a request's line once all its samples are done
+            lines = []
+            for c in comps:
+                group = pending.setdefault(c.id, [])
+                group.append(c)
+                if len(group) == samples[c.id]:
+                    lines.append(group_json(sorted(pending.pop(c.id), key=lambda x: x.index)))
+            writer.write(lines)
+
         try:
-            out = llm.generate([], requests=todo,
-                               on_block=lambda comps, _: writer.write([c.to_json() for c in comps]))
+            out = llm.generate([], requests=todo, on_block=on_block)
         finally:
             writer.close()
-    return JobResult(len(requests), len(requests) - len(todo), out.stats)
+    total = len({r.id for r in requests})
+    return JobResult(total, total - len({r.id for r in todo}), out.stats)

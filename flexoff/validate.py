@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any, Iterator, Mapping
 
 from flexoff.errors import FlexoffError, InputError, ModelError
+from flexoff.sampling import FIELDS, SamplingParams
 
 PROMPT_KEYS = ("prompt", "messages", "prompt_ids")
-SETTING_KEYS = ("max_new_tokens", "temperature", "top_p", "top_k", "seed", "stop")
-ALIASES = {"max_tokens": "max_new_tokens"}  # the OpenAI and vLLM name
+SETTING_KEYS = FIELDS
+ALIASES = {"max_tokens": "max_new_tokens", "prompt_token_ids": "prompt_ids"}  # the OpenAI and vLLM names
 REQUEST_KEYS = frozenset(("id",) + PROMPT_KEYS + SETTING_KEYS + tuple(ALIASES))
 MAX_SEED = 2**63 - 1
 
@@ -114,18 +115,11 @@ def _check_prompt(d: dict[str, Any], key: str, where: str) -> None:
 
 
 def _check_settings(d: dict[str, Any], where: str) -> None:
-    checks = {
-        "max_new_tokens": (lambda v: _is_int(v) and 0 <= v <= 10**7, "an integer from 0"),
-        "temperature": (lambda v: _is_number(v) and 0 <= v <= 1e4, "a finite number >= 0"),
-        "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
-        "top_k": (lambda v: _is_int(v) and 0 <= v <= 2**31, "a non-negative integer"),
-        "seed": (lambda v: v is None or (_is_int(v) and 0 <= v <= MAX_SEED), f"an integer from 0 to {MAX_SEED}"),
-        "stop": (lambda v: isinstance(v, str) and v != "" or isinstance(v, list)
-                 and all(isinstance(s, str) and s for s in v), "a non-empty string or a list of them"),
-    }
-    for key, (ok, what) in checks.items():
-        if key in d and not ok(d[key]):
-            raise InputError(f"{where}: {key} must be {what}, got {json.dumps(d[key], default=str)[:40]}")
+    """The settings are what SamplingParams accepts (its checks are the one definition)."""
+    try:
+        SamplingParams(**{k: d[k] for k in SETTING_KEYS if k in d})
+    except InputError as e:
+        raise InputError(f"{where}: {e}") from None
 
 
 # ---- sizes -----------------------------------------------------------------------------------

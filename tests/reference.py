@@ -85,3 +85,16 @@ def train_batches(gbs: int, prompts: list[list[int]]) -> list[Any]:
         labels[0, -3] = IGNORE  # a masked-out target inside a row too
         out.append(BatchInput(inp.ids, inp.valid, labels))
     return out
+
+
+def save_in_hf_cache(folder: Path, cache: Path, repo_id: str) -> Path:
+    """Copy a checkpoint folder into a Hugging Face cache as repo_id's main revision (the layout
+    huggingface_hub reads offline: models--ORG--NAME/refs/main and snapshots/REVISION/)."""
+    import shutil
+
+    revision = "0" * 40
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    shutil.copytree(folder, repo / "snapshots" / revision)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(revision)
+    return repo / "snapshots" / revision
