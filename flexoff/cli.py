@@ -102,14 +102,26 @@ def cli() -> None:
 @click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True, help="0 keeps all tokens.")
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--stop-token-id", "stop_token_ids", type=int, multiple=True, help="Stop token id (repeatable).")
+@click.option("--n", "n", type=int, default=1, show_default=True, help="Samples per prompt (seeds seed, seed + 1, ...).")
+@click.option("--logprobs", type=int, default=None, help="Top log-probabilities per generated token (0: the chosen one's).")
+@click.option("--min-tokens", type=int, default=0, show_default=True, help="No end-of-sequence before this many tokens.")
+@click.option("--ignore-eos", is_flag=True, help="Generate past end-of-sequence tokens.")
+@click.option("--repetition-penalty", type=float, default=1.0, show_default=True)
+@click.option("--presence-penalty", type=float, default=0.0, show_default=True)
+@click.option("--frequency-penalty", type=float, default=0.0, show_default=True)
 @click.option("--chat", is_flag=True, help="Wrap plain prompts as a user message in the model's chat template.")
+@click.option("--input-format", type=click.Choice(["auto", "flexoff", "openai"]), default="auto", show_default=True,
+              help="flexoff JSONL or an OpenAI batch file (auto: by the first line's shape).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N].")
 @click.option("--allow-pickle", is_flag=True, help="Allow pickled .bin weights (loaded with weights_only=True).")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @policy_options
 def run(model: str | None, input_path: str, output_path: str, max_new_tokens: int, temperature: float,
-        top_p: float, top_k: int, seed: int, stop: tuple[str, ...], chat: bool, dtype: str, device: str,
+        top_p: float, top_k: int, seed: int, stop: tuple[str, ...], stop_token_ids: tuple[int, ...], n: int,
+        logprobs: int | None, min_tokens: int, ignore_eos: bool, repetition_penalty: float, presence_penalty: float,
+        frequency_penalty: float, chat: bool, input_format: str, dtype: str, device: str,
         allow_pickle: bool, quiet: bool, policy_arg: str | None, percent: Any, gpu_batch_size: Any,
         num_gpu_batches: Any, cpu_cache_compute: Any, no_overlap: Any, compress_weight: Any,
         compress_cache: Any, gpu_mem: Any, cpu_mem: Any, disk_mem: Any, offload_dir: Any, hardware: Any) -> None:
@@ -120,16 +132,18 @@ def run(model: str | None, input_path: str, output_path: str, max_new_tokens: in
 
     policy = build_policy(policy_arg, percent, gpu_batch_size, num_gpu_batches, cpu_cache_compute,
                           no_overlap, compress_weight, compress_cache)
-    defaults = SamplingParams(max_new_tokens, temperature, top_p, top_k, None, tuple(stop))
+    defaults = SamplingParams(max_new_tokens, temperature, top_p, top_k, None, tuple(stop), n, logprobs,
+                              stop_token_ids, ignore_eos, min_tokens, repetition_penalty, presence_penalty,
+                              frequency_penalty)
     if input_path != "-":
-        read_prompts(input_path, chat)  # fail fast on a bad file, before loading the model
+        read_prompts(input_path, chat, input_format)  # fail fast on a bad file, before loading the model
     validate.output_file(output_path, "--output", input_path)
     llm = LLM(model, policy=policy, device=device, dtype=dtype, allow_pickle=allow_pickle,
               offload_dir=offload_dir, gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk_mem=disk_mem, seed=seed,
               progress=not quiet, hardware=hardware,
               compression=("on" if compress_weight else "off", "on" if compress_cache else "off"))
     try:
-        res = run_job(llm, input_path, output_path, defaults, chat)
+        res = run_job(llm, input_path, output_path, defaults, chat, input_format)
     finally:
         llm.close()
     st = res.stats

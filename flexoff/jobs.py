@@ -13,18 +13,27 @@ from __future__ import annotations
 import json
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from flexoff import validate
+from flexoff import openai_batch, validate
 from flexoff.errors import InputError
 from flexoff.generation import group_json
 from flexoff.lock import OutputLock
 
 
-def read_prompts(path: str, chat: bool = False) -> list[dict[str, Any]]:
-    """Parse and check the prompts file ('-' is stdin) before anything else runs."""
+@dataclass
+class Prompts:
+    rows: list[dict[str, Any]]  # checked requests, in file order
+    openai: bool = False  # an OpenAI batch file: answered in its output format
+    refused: list[tuple[str, str]] = field(default_factory=list)  # OpenAI lines not served: (custom_id, why)
+
+
+def read_prompts(path: str, chat: bool = False, input_format: str = "auto") -> Prompts:
+    """Parse and check the prompts file ('-' is stdin) before anything else runs: flexoff's
+    JSONL, or an OpenAI batch file (by its shape, or input_format="openai"), whose lines that
+    cannot be served are kept as refusals rather than stopping the job."""
     name = "stdin" if path == "-" else path
     try:
         text = sys.stdin.read() if path == "-" else Path(path).read_text(encoding="utf-8")
@@ -32,16 +41,33 @@ def read_prompts(path: str, chat: bool = False) -> list[dict[str, Any]]:
         raise InputError(f"prompts file {path} does not exist") from None
     except (OSError, UnicodeDecodeError) as e:
         raise InputError(f"cannot read prompts file {path}: {e}") from None
-    out = []
-    for n, raw in validate.read_jsonl(text, name):
-        d = validate.request(raw, f"{name} line {n}")
-        d["id"] = str(d.get("id", n))
+    lines = list(validate.read_jsonl(text, name))
+    if not lines:
+        raise InputError(f"{name} holds no prompts")
+    openai = input_format == "openai" or (input_format == "auto" and openai_batch.is_batch(lines[0][1]))
+    out = Prompts([], openai)
+    seen: set[str] = set()
+    for n, raw in lines:
+        where = f"{name} line {n}"
+        if openai:
+            cid = raw.get("custom_id") if isinstance(raw, dict) else None
+            if not isinstance(cid, str) or not cid:
+                raise InputError(f"{where}: a batch line needs a non-empty string custom_id")
+            if cid in seen:
+                raise InputError(f"{where}: duplicate custom_id {cid!r}")
+            seen.add(cid)
+            try:
+                d = openai_batch.to_request(raw, where)
+            except InputError as e:
+                out.refused.append((cid, str(e)))
+                continue
+        else:
+            d = validate.request(raw, where)
+            d["id"] = str(d.get("id", n))
         if chat and isinstance(d.get("prompt"), str):
             d["messages"] = [{"role": "user", "content": d.pop("prompt")}]
         d["_line"] = n
-        out.append(d)
-    if not out:
-        raise InputError(f"{name} holds no prompts")
+        out.rows.append(d)
     return out
 
 
@@ -68,7 +94,8 @@ def answered_ids(path: str) -> set[str]:
         if not line.strip():
             continue
         try:
-            ids.add(str(json.loads(line)["id"]))
+            rec = json.loads(line)
+            ids.add(str(rec["custom_id"] if "custom_id" in rec else rec["id"]))
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
             raise InputError(f"output file {path} line {n} is not a flexoff result; "
                              "refusing to append to it (use another --output)") from None
@@ -115,30 +142,50 @@ class JobResult:
     stats: Any
 
 
-def run_job(llm: Any, input_path: str, output_path: str, defaults: Any, chat: bool = False) -> JobResult:
+def run_job(llm: Any, input_path: str, output_path: str, defaults: Any, chat: bool = False,
+            input_format: str = "auto") -> JobResult:
     """Run every prompt of input_path not yet answered in output_path, holding the output's lock."""
     validate.output_file(output_path, "--output", input_path)
     with OutputLock(output_path):
-        rows = read_prompts(input_path, chat)
-        requests = llm.make_requests(rows, defaults)
+        prompts = read_prompts(input_path, chat, input_format)
         done = answered_ids(output_path)
-        todo = [r for r in requests if r.id not in done]
         writer = ResultWriter(output_path)
-        samples = {r.id: r.params.n for r in todo}
-        pending: dict[str, list[Any]] = {}
-
-        def on_block(comps: list[Any], _: Any) -> None:  # a request's line once all its samples are done
-            lines = []
-            for c in comps:
-                group = pending.setdefault(c.id, [])
-                group.append(c)
-                if len(group) == samples[c.id]:
-                    lines.append(group_json(sorted(pending.pop(c.id), key=lambda x: x.index)))
-            writer.write(lines)
-
         try:
+            refused = [(cid, why) for cid, why in prompts.refused if cid not in done]
+            if prompts.openai:  # a line that cannot be served is answered with its error; the job goes on
+                requests = []
+                for row in prompts.rows:
+                    try:
+                        requests += llm.make_requests([row], defaults)
+                    except InputError as e:
+                        if row["id"] not in done:
+                            refused.append((row["id"], str(e)))
+                writer.write([openai_batch.refusal(cid, why) for cid, why in refused])
+            else:
+                requests = llm.make_requests(prompts.rows, defaults)
+            todo = [r for r in requests if r.id not in done]
+            meta = {r["id"]: r.get("_openai") for r in prompts.rows}
+            samples = {r.id: r.params.n for r in todo}
+            pending: dict[str, list[Any]] = {}
+
+            def line(group: list[Any]) -> dict[str, Any]:
+                m = meta[group[0].id]
+                if m is None:
+                    return group_json(group)
+                return openai_batch.answer(group[0].id, m["url"], m["model"] or llm.model.name, group,
+                                           llm.tokenizer.decode)
+
+            def on_block(comps: list[Any], _: Any) -> None:  # a request's line once all its samples are done
+                lines = []
+                for c in comps:
+                    group = pending.setdefault(c.id, [])
+                    group.append(c)
+                    if len(group) == samples[c.id]:
+                        lines.append(line(sorted(pending.pop(c.id), key=lambda x: x.index)))
+                writer.write(lines)
+
             out = llm.generate([], requests=todo, on_block=on_block)
         finally:
             writer.close()
-    total = len({r.id for r in requests})
-    return JobResult(total, total - len({r.id for r in todo}), out.stats)
+    total = len(prompts.rows) + len(prompts.refused)
+    return JobResult(total, total - len({r.id for r in todo}) - len(refused), out.stats)
