@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -164,23 +163,7 @@ def test_5_output_equal_to_input_is_refused(tmp_path, capsys, no_model_load):
     assert "is the input file" in err and inp.read_bytes() == before
 
 
-# ---- 6. offload folders --------------------------------------------------------------------------
-def test_6_offload_folder_removed_on_sighup(tmp_path):
-    root, prompts, out = tmp_path / "hup", tmp_path / "p.jsonl", tmp_path / "o.jsonl"
-    prompts.write_text("".join(f'{{"prompt": "p{i}"}}\n' for i in range(400)))
-    proc = subprocess.Popen([sys.executable, "-m", "flexoff.cli", "run", "--model", "dummy:opt-tiny", "-q",
-                             "--input", str(prompts), "--output", str(out), "--percent", "0", "0", "0", "0", "100",
-                             "0", "--max-new-tokens", "64", "--gpu-batch-size", "1", "--offload-dir", str(root)],
-                            cwd=tmp_path, stderr=subprocess.PIPE)
-    deadline = time.time() + 120
-    while time.time() < deadline and not (out.exists() and out.read_text().count("\n") >= 1):
-        time.sleep(0.05)
-    assert any(root.iterdir())
-    proc.send_signal(signal.SIGHUP)
-    assert proc.wait(timeout=60) == 129
-    assert list(root.iterdir()) == []
-
-
+# ---- 6. offload folders (SIGHUP: tests/offload/test_tiers_memory.py) -----------------------------
 def test_6_no_offload_folder_when_nothing_goes_to_disk(tmp_path, monkeypatch):
     from flexoff import LLM, Policy
 

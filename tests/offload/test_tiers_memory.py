@@ -117,7 +117,7 @@ def test_offload_folder_removed_on_error(tmp_path, monkeypatch):
     assert list(root.iterdir()) == []
 
 
-def test_offload_folder_removed_at_exit_and_on_sigterm(tmp_path):
+def test_offload_folder_removed_at_exit(tmp_path):
     root = tmp_path / "exit"
     code = ("import flexoff; from flexoff import LLM, Policy; "
             f"llm = LLM('dummy:opt-tiny', policy=Policy(w_gpu_percent=0, w_cpu_percent=0), offload_dir={str(root)!r}); "
@@ -125,6 +125,9 @@ def test_offload_folder_removed_at_exit_and_on_sigterm(tmp_path):
     subprocess.run([sys.executable, "-c", code], check=True, cwd=tmp_path)
     assert list(root.iterdir()) == []
 
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 143), (signal.SIGHUP, 129)])  # killed; terminal closed
+def test_offload_folder_removed_on_signals(tmp_path, sig, code):
     root = tmp_path / "term"
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("".join(f'{{"prompt": "p{i}"}}\n' for i in range(400)))
@@ -137,8 +140,8 @@ def test_offload_folder_removed_at_exit_and_on_sigterm(tmp_path):
     while time.time() < deadline and not (out.exists() and out.read_text().count("\n") >= 1):
         time.sleep(0.05)
     assert any(root.iterdir())
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 143
+    proc.send_signal(sig)
+    assert proc.wait(timeout=60) == code
     assert list(root.iterdir()) == []
 
 
