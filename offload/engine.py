@@ -19,15 +19,15 @@ import resource
 import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Mapping, Sequence
+from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
 from flexoff.models.base import Family
 from flexoff.models.spec import ModelSpec
 from flexoff.offload.activations import HiddenStore, Stash
-from flexoff.offload.block import (BatchInput, BlockResult, BlockRun, Clock, LossTask, OnTokens, Sampler,
-                                   SampleTask)
+from flexoff.offload.block import (IGNORE, BatchInput, BlockResult, BlockRun, Clock, LossTask, OnTokens,
+                                   Sampler, SampleTask)
 from flexoff.offload.host_io import HostIO
 from flexoff.offload.kvcache import KVCodec, KVStore, PlainKV
 from flexoff.offload.lanes import Lanes
@@ -195,7 +195,7 @@ class Engine:
             raise RuntimeError("internal: this engine was not made for training (training=True)")
         self._check_block(batches, 0)
         assert all(b.labels is not None for b in batches)
-        tokens = int(sum(int((b.labels != -100).sum()) for b in batches))
+        tokens = int(sum(int((b.labels != IGNORE).sum()) for b in batches))
         tasks = [LossTask(b.labels.to(self.device), 1.0 / max(1, tokens)) for b in batches]
         with self._host_settings(), torch.no_grad():
             run = BlockRun(self, batches, 0, list(tasks))
@@ -206,9 +206,9 @@ class Engine:
                 self.hidden.clear()
                 self.stash.clear()
         loss = float(sum(t.loss for t in tasks)) if tasks else 0.0
-        return TrainResult(loss, tokens, [g for g in run.grads])
+        return TrainResult(loss, tokens, list(run.grads))
 
-    def _execute(self, run: BlockRun, sweeps: list[Sweep], sweep_done) -> None:
+    def _execute(self, run: BlockRun, sweeps: list[Sweep], sweep_done: Callable[[int], bool]) -> None:
         """Run the block's plan: FlexGen's loop, each step's loads issued ahead of its compute."""
         p, L, K = self.policy, len(self.spec.layers), len(run.states)
         slots = len(self.weights.slots)
