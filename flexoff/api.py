@@ -12,16 +12,18 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 from tqdm import tqdm
 
 from flexoff import validate
+from flexoff.adapters import Adapter, load_adapter
 from flexoff.checkpoint import LoadedModel, load_model
 from flexoff.errors import FlexoffError, GpuOutOfMemoryError, InputError
 from flexoff.generation import Completion, Request, RunStats, plan_blocks, run_block
 from flexoff.offload.engine import Engine
+from flexoff.offload.adapters import AdapterPool
 from flexoff.offload.residency import Residency
 from flexoff.offload.tiers import Budgets
 from flexoff.policy.policy import Policy
@@ -139,7 +141,8 @@ class LLM:
                  gpu_mem: int | str | None = None, cpu_mem: int | str | None = None,
                  disk_mem: int | str | None = None,
                  seed: int = 0, progress: bool = False, hardware: str | None = None,
-                 compression: tuple[str, str] = ("off", "off")):
+                 compression: tuple[str, str] = ("off", "off"), lora: Mapping[str, str] | None = None,
+                 default_adapter: str | None = None):
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
         self.model: LoadedModel = load_model(model, allow_pickle)
@@ -160,6 +163,29 @@ class LLM:
         # the tiers and weights, which outlive engines
         self.residency = Residency(self.model.family, self.model.spec, self.device, self.dtype, offload_dir,
                                    self.options.budgets)
+        self.allow_pickle = allow_pickle
+        self.adapters: dict[str, Adapter] = {}  # LoRA adapters by name
+        self._pool: tuple[tuple[str, ...], AdapterPool] | None = None
+        for name, path in (lora or {}).items():
+            self.load_lora(name, path)
+        if default_adapter is not None and default_adapter not in self.adapters:
+            raise InputError(f"--default-adapter {default_adapter!r} is not a loaded adapter")
+        self.default_adapter = default_adapter
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load a PEFT LoRA folder under a name, checked against this model (one-line errors)."""
+        if not name or "=" in name:
+            raise InputError(f"adapter name {name!r}: give a non-empty name without '='")
+        self.adapters[name] = load_adapter(name, path, self.model.spec, self.allow_pickle)
+
+    def adapter_pool(self) -> AdapterPool | None:
+        """The loaded adapters on the compute device (made again when the set changes)."""
+        if not self.adapters:
+            return None
+        names = tuple(self.adapters)
+        if self._pool is None or self._pool[0] != names:
+            self._pool = (names, AdapterPool(list(self.adapters.values()), self.device, self.dtype))
+        return self._pool[1]
 
     @property
     def tokenizer(self):
@@ -185,7 +211,11 @@ class LLM:
                 raise InputError(f"{where}: {e}") from None
             shown, ids = self._tokenize(d, where)
             self._check_length(where, len(ids), params.max_new_tokens)
-            out += [Request(rid, shown, ids, params, j) for j in range(params.n)]
+            adapter = d.get("adapter", self.default_adapter)
+            if adapter is not None and adapter not in self.adapters:
+                known = ", ".join(sorted(self.adapters)) or "none loaded (--lora NAME=PATH)"
+                raise InputError(f"{where}: unknown adapter {adapter!r}; loaded: {known}")
+            out += [Request(rid, shown, ids, params, j, adapter) for j in range(params.n)]
         return out
 
     def _tokenize(self, d: dict[str, Any], where: str) -> tuple[Any, list[int]]:
@@ -280,12 +310,19 @@ class LLM:
                  prompt_logprobs: bool = False,
                  on_block: Callable[[list[Completion], RunStats], None] | None = None,
                  on_logits: Callable[[int, list[str], torch.Tensor], None] | None = None,
-                 requests: list[Request] | None = None) -> GenerationOutput:
+                 requests: list[Request] | None = None,
+                 adapters: Sequence[str | None] | None = None) -> GenerationOutput:
         """Complete every prompt; completions come back in input order (a request's samples
         together). `sampling_params` (vLLM's form: one for all prompts, or one per prompt) takes
         the place of the keyword settings; a prompt's own settings (a dict's keys) win over both."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if adapters is not None:  # one adapter name (or None) per prompt
+            prompts = list(prompts)
+            if len(adapters) != len(prompts):
+                raise InputError(f"{len(adapters)} adapters for {len(prompts)} prompts")
+            prompts = [{**(p if isinstance(p, dict) else {"prompt": p}), "adapter": a}
+                       for p, a in zip(prompts, adapters)]
         if isinstance(sampling_params, SamplingParams):
             defaults = sampling_params
         elif sampling_params is not None:  # one per prompt: each becomes that prompt's own settings
@@ -310,6 +347,7 @@ class LLM:
                 try:  # setting up the engine may run out too (weights loaded through the GPU)
                     engine = self.engine_for(policy, max(len(r.prompt_ids) for r in todo),
                                              max(1, max(r.params.max_new_tokens for r in todo)))
+                    engine.adapters = self.adapter_pool()
                     for block in plan_blocks(todo, policy.block_size):
                         comps, st = run_block(engine, self.tokenizer, block, self.seed, prompt_logprobs, on_logits)
                         st.peak_bytes = engine.peaks()

@@ -54,6 +54,28 @@ def policy_options(f: Any) -> Any:
     return f
 
 
+def adapter_paths(loras: tuple[str, ...], lora_dir: str | None) -> dict[str, str]:
+    """--lora NAME=PATH flags and --lora-dir's subfolders holding adapter_config.json, by name."""
+    from flexoff.errors import InputError
+
+    out: dict[str, str] = {}
+    if lora_dir is not None:
+        d = Path(lora_dir)
+        if not d.is_dir():
+            raise InputError(f"--lora-dir {lora_dir} is not a folder")
+        out.update({sub.name: str(sub) for sub in sorted(d.iterdir()) if (sub / "adapter_config.json").exists()})
+        if not out:
+            raise InputError(f"--lora-dir {lora_dir} holds no PEFT adapter folders")
+    for item in loras:
+        name, eq, path = item.partition("=")
+        if not eq or not name or not path:
+            raise InputError(f"--lora {item!r}: give NAME=PATH")
+        if name in out:
+            raise InputError(f"--lora {item!r}: the name {name!r} is given twice")
+        out[name] = path
+    return out
+
+
 def build_policy(policy_arg: str | None, percent: tuple[float, ...] | None, gpu_batch_size: int | None,
                  num_gpu_batches: int | None, cpu_cache_compute: bool | None, no_overlap: bool | None,
                  compress_weight: bool | None, compress_cache: bool | None) -> Any:
@@ -116,13 +138,18 @@ def cli() -> None:
 @click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto", show_default=True)
 @click.option("--device", default="auto", show_default=True, help="auto, cpu or cuda[:N].")
 @click.option("--allow-pickle", is_flag=True, help="Allow pickled .bin weights (loaded with weights_only=True).")
+@click.option("--lora", "loras", multiple=True, metavar="NAME=PATH",
+              help="A PEFT LoRA adapter folder, used by lines whose 'adapter' is NAME (repeatable).")
+@click.option("--lora-dir", default=None, type=click.Path(file_okay=False),
+              help="A folder whose subfolders are PEFT adapters, each named after its subfolder.")
+@click.option("--default-adapter", default=None, help="The adapter of lines that name none.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @policy_options
 def run(model: str | None, input_path: str, output_path: str, max_new_tokens: int, temperature: float,
         top_p: float, top_k: int, seed: int, stop: tuple[str, ...], stop_token_ids: tuple[int, ...], n: int,
         logprobs: int | None, min_tokens: int, ignore_eos: bool, repetition_penalty: float, presence_penalty: float,
         frequency_penalty: float, chat: bool, input_format: str, dtype: str, device: str,
-        allow_pickle: bool, quiet: bool, policy_arg: str | None, percent: Any, gpu_batch_size: Any,
+        allow_pickle: bool, loras: tuple[str, ...], lora_dir: str | None, default_adapter: str | None, quiet: bool, policy_arg: str | None, percent: Any, gpu_batch_size: Any,
         num_gpu_batches: Any, cpu_cache_compute: Any, no_overlap: Any, compress_weight: Any,
         compress_cache: Any, gpu_mem: Any, cpu_mem: Any, disk_mem: Any, offload_dir: Any, hardware: Any) -> None:
     """Generate completions for a JSONL file of prompts."""
@@ -141,7 +168,8 @@ def run(model: str | None, input_path: str, output_path: str, max_new_tokens: in
     llm = LLM(model, policy=policy, device=device, dtype=dtype, allow_pickle=allow_pickle,
               offload_dir=offload_dir, gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk_mem=disk_mem, seed=seed,
               progress=not quiet, hardware=hardware,
-              compression=("on" if compress_weight else "off", "on" if compress_cache else "off"))
+              compression=("on" if compress_weight else "off", "on" if compress_cache else "off"),
+              lora=adapter_paths(loras, lora_dir), default_adapter=default_adapter)
     try:
         res = run_job(llm, input_path, output_path, defaults, chat, input_format)
     finally:

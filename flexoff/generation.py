@@ -27,6 +27,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     sample: int = 0  # which of the request's n samples this row computes
+    adapter: str | None = None  # the LoRA adapter it uses (None: the base model)
 
     @property
     def key(self) -> str:
@@ -202,8 +203,10 @@ def run_block(engine: Engine, tokenizer: Tokenizer, block: list[Request], job_se
                     row.push(t)
         return all(r.done for b in rows for r in b)
 
-    res = engine.run_block([pad_left([r.prompt_ids for r in b], S) for b in batches], gen_len, sampler,
-                           on_tokens, prompt_logprobs)
+    inputs = [pad_left([r.prompt_ids for r in b], S) for b in batches]
+    for inp, b in zip(inputs, batches):
+        inp.adapters = [r.adapter for r in b] if any(r.adapter for r in b) else None
+    res = engine.run_block(inputs, gen_len, sampler, on_tokens, prompt_logprobs)
     out = []
     for k, brows in enumerate(rows):
         lp = res.prompt_logprobs[k] if prompt_logprobs else None

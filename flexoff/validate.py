@@ -25,7 +25,7 @@ from flexoff.sampling import FIELDS, SamplingParams
 PROMPT_KEYS = ("prompt", "messages", "prompt_ids")
 SETTING_KEYS = FIELDS
 ALIASES = {"max_tokens": "max_new_tokens", "prompt_token_ids": "prompt_ids"}  # the OpenAI and vLLM names
-REQUEST_KEYS = frozenset(("id",) + PROMPT_KEYS + SETTING_KEYS + tuple(ALIASES))
+REQUEST_KEYS = frozenset(("id", "adapter") + PROMPT_KEYS + SETTING_KEYS + tuple(ALIASES))
 MAX_SEED = 2**63 - 1
 
 
@@ -90,6 +90,8 @@ def request(d: Any, where: str) -> dict[str, Any]:
     _check_prompt(out, given[0], where)
     if "id" in out and (not isinstance(out["id"], (str, int)) or isinstance(out["id"], bool)):
         raise InputError(f"{where}: 'id' must be a string or an integer")
+    if out.get("adapter") is not None and (not isinstance(out["adapter"], str) or not out["adapter"]):
+        raise InputError(f"{where}: 'adapter' must be an adapter's name")
     _check_settings(out, where)
     return out
 

@@ -34,6 +34,7 @@ class BatchInput:
     ids: torch.Tensor  # (n, s) int64 prompt ids, left-padded
     valid: torch.Tensor  # (n, s) bool, False on padding
     labels: torch.Tensor | None = None  # (n, s) int64 next-token targets for training, IGNORE where none
+    adapters: list[str | None] | None = None  # per row: the LoRA adapter it uses (None: the base model)
 
 
 @dataclass
@@ -163,6 +164,8 @@ class BlockRun:
         self.states = [BatchState(b, gen_len, engine.device, pin) for b in batches]
         self.tasks = tasks
         self.training = any(b.labels is not None for b in batches)
+        pool = engine.adapters  # per batch: each adapter's rows
+        self.rows = [pool.rows(b.adapters) if pool is not None and b.adapters else {} for b in batches]
         self.pending: list[Pending] = []
         self.cpu_free_at: float | None = None  # when the CPU attention lane last finished a call
         self.grads: list[torch.Tensor | None] = [None] * len(batches)  # d loss / d (current layer's output)

@@ -26,6 +26,7 @@ import torch
 from flexoff.models.base import Family
 from flexoff.models.spec import ModelSpec
 from flexoff.offload.activations import HiddenStore, Stash
+from flexoff.offload.adapters import AdapterPool
 from flexoff.offload.block import (IGNORE, BatchInput, BlockResult, BlockRun, Clock, LossTask, OnTokens,
                                    Sampler, SampleTask)
 from flexoff.offload.host_io import HostIO
@@ -98,6 +99,7 @@ class Engine:
         except BaseException:
             self.close()
             raise
+        self.adapters: AdapterPool | None = None  # LoRA adapters the caller has loaded (set by it)
         self.ops = layer_ops(self)
         self.lean = LeanDecoder(self, graphs_enabled(cuda_graphs)) if LeanDecoder.applies(self) else None
         self.cpu_threads = cpu_attention_threads() if self.lanes.cuda and policy.cpu_cache_compute else 0
@@ -177,7 +179,7 @@ class Engine:
             run = BlockRun(self, batches, gen_len, [SampleTask(sampler, k, prompt_logprobs)
                                                      for k in range(len(batches))])
             clock = Clock(self, run.states, on_tokens)
-            lean = self.lean is not None and gen_len > 1
+            lean = self.lean is not None and gen_len > 1 and not any(run.rows)  # adapters: the loop
             try:
                 self._execute(run, forward_sweeps(1 if lean else gen_len), clock.token_step_done)
                 if lean and not clock.stop:

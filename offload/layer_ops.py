@@ -68,7 +68,7 @@ class LayerOp:
         """Layer j's weights and input for this batch, the compute stream waiting for both; in a
         training window the input is also stashed for the reverse sweep."""
         e = self.e
-        w, deps = self._weights(run)
+        w, deps = self._weights(run, step.k)
         h, hdeps = e.hidden.take(step.k, self.j)
         e.lanes.compute.wait(deps + hdeps)
         if run.training:
@@ -81,9 +81,11 @@ class LayerOp:
         self.e.weights.was_read(self.j, ev)
         self.e.hidden.put(step.k, self.j, h, ev)
 
-    def _weights(self, run: BlockRun) -> tuple[Mapping[str, Any], list[Event]]:
+    def _weights(self, run: BlockRun, k: int) -> tuple[Mapping[str, Any], list[Event]]:
+        """Layer j's weights for batch k (with its rows' LoRA adapters), and what to wait for."""
         self.e.stage(run, self.j)  # a no-op if staged already
-        return self.e.weights.get(self.j)
+        w, deps = self.e.weights.get(self.j)
+        return (self.e.adapters.adapt(self.j, w, run.rows[k]) if run.rows[k] else w), deps
 
     def forward(self, run: BlockRun, step: Step) -> None:
         w, h = self._inputs(run, step)
@@ -92,7 +94,7 @@ class LayerOp:
     def backward(self, run: BlockRun, step: Step) -> None:
         """run.grads[k] is d loss / d (this layer's output); leaves d loss / d (its input)."""
         e = self.e
-        w, deps = self._weights(run)
+        w, deps = self._weights(run, step.k)
         x, sdeps = e.stash.take((self.j, step.k), step.i)
         e.lanes.compute.wait(deps + sdeps)
         g = run.grads[step.k]
@@ -114,7 +116,7 @@ class LayerOp:
 
 class EmbedOp(LayerOp):
     def forward(self, run: BlockRun, step: Step) -> None:
-        w, deps = self._weights(run)
+        w, deps = self._weights(run, step.k)
         self.e.lanes.compute.wait(deps)
         ids, pos = run.states[step.k].inputs(step.i if not run.training else 0)
         self._output(step, self.e.fam.embed(w, ids, pos))
@@ -143,7 +145,7 @@ class HeadOp(LayerOp):
 
     def backward(self, run: BlockRun, step: Step) -> None:
         e = self.e
-        w, deps = self._weights(run)
+        w, deps = self._weights(run, step.k)
         x, sdeps = e.stash.take((self.j, step.k), step.i)
         e.lanes.compute.wait(deps + sdeps)
         run.grads[step.k] = run.tasks[step.k].backward(e.fam, dense(w), x, run.states[step.k])

@@ -1,0 +1,152 @@
+"""LoRA adapters against Hugging Face PEFT on the same weights: per row, greedy tokens equal
+PEFT's with that row's adapter active, in mixed batches of several ranks with base rows among
+them, across placements (offloaded weights, CPU attention, disk); bad adapters refused in one
+line naming the adapter and the field."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from flexoff import LLM, Policy
+from flexoff.cli import main
+from reference import PROMPTS
+
+peft = pytest.importorskip("peft")
+
+TARGETS = {"opt": (["q_proj", "v_proj", "fc2"], ["k_proj", "out_proj", "fc1", "fc2"]),
+           "llama": (["q_proj", "v_proj", "down_proj"], ["k_proj", "o_proj", "gate_proj", "up_proj"]),
+           "qwen2": (["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"])}
+POLICIES = [Policy(gpu_batch_size=5),
+            Policy(gpu_batch_size=2, num_gpu_batches=3, w_gpu_percent=0, w_cpu_percent=100),
+            Policy(gpu_batch_size=3, num_gpu_batches=2, w_gpu_percent=30, w_cpu_percent=40, cache_gpu_percent=0,
+                   cache_cpu_percent=100, cpu_cache_compute=True),
+            Policy(gpu_batch_size=2, w_gpu_percent=0, w_cpu_percent=0, cache_gpu_percent=0, cache_cpu_percent=0,
+                   act_gpu_percent=0, act_cpu_percent=0)]
+ASSIGN = ["a", None, "b", "c", "a"]  # per prompt of PROMPTS
+
+
+def make_adapters(path, name: str, root) -> dict[str, str]:
+    """Three random PEFT adapters (init_lora_weights=False): ranks 2, 8 and 4 with a rank and alpha
+    pattern, one with rsLoRA."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    first, second = TARGETS[name]
+    configs = {"a": LoraConfig(r=2, lora_alpha=5, target_modules=first, init_lora_weights=False),
+               "b": LoraConfig(r=8, lora_alpha=16, target_modules=second, use_rslora=True, init_lora_weights=False),
+               "c": LoraConfig(r=4, lora_alpha=8, target_modules=first + second[:1], init_lora_weights=False,
+                               rank_pattern={first[0]: 3}, alpha_pattern={first[1]: 12})}
+    out = {}
+    for n, (key, cfg) in enumerate(configs.items()):
+        torch.manual_seed(10 + n)
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(path).float(), cfg)
+        with torch.no_grad():  # B away from its small random start, so the deltas matter
+            for pname, p in model.named_parameters():
+                if "lora_B" in pname:
+                    p.mul_(30)
+        model.save_pretrained(root / key)
+        out[key] = str(root / key)
+    return out
+
+
+def peft_greedy(path, adapter: str | None, prompt: list[int], n: int) -> list[int]:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path).float().eval()
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, adapter).eval()
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.mark.parametrize("name", ["opt", "llama", "qwen2"])
+def test_mixed_adapter_batches_equal_peft(tiny, name, tmp_path):
+    path = tiny[name].path
+    adapters = make_adapters(path, name, tmp_path)
+    want = [peft_greedy(path, adapters[a] if a else None, p, 8) for a, p in zip(ASSIGN, PROMPTS)]
+    base = [peft_greedy(path, None, p, 8) for p in PROMPTS]
+    assert sum(w != b for w, b in zip(want, base)) >= 3  # the adapters change the outputs
+    with LLM(str(path), lora=adapters) as llm:
+        for policy in POLICIES:
+            llm.policy_arg = policy
+            got = llm.generate([{"prompt_ids": p, "adapter": a} for a, p in zip(ASSIGN, PROMPTS)], max_new_tokens=8)
+            assert [c.token_ids for c in got.completions] == want, policy.describe()
+        by_arg = llm.generate([{"prompt_ids": p} for p in PROMPTS], max_new_tokens=8, adapters=ASSIGN)
+        assert [c.token_ids for c in by_arg.completions] == want
+
+
+def test_cli_lora_flags_and_the_adapter_field(tiny, tmp_path, capsys):
+    path = tiny["llama"].path
+    adapters = make_adapters(path, "llama", tmp_path / "dir")
+    inp, out = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
+    inp.write_text("".join(json.dumps({"id": str(i), "prompt_ids": p, **({"adapter": a} if a else {})}) + "\n"
+                           for i, (a, p) in enumerate(zip(ASSIGN, PROMPTS))))
+    assert main(["run", "--model", str(path), "--input", str(inp), "--output", str(out), "-q", "--lora-dir",
+                 str(tmp_path / "dir"), "--max-new-tokens", "8"]) == 0, capsys.readouterr().err
+    got = {json.loads(l)["id"]: json.loads(l) for l in out.read_text().splitlines()}
+    for i, (a, p) in enumerate(zip(ASSIGN, PROMPTS)):
+        ids = got[str(i)]
+        assert ids["completion_tokens"] == 8
+    out2 = tmp_path / "o2.jsonl"
+    assert main(["run", "--model", str(path), "--input", str(inp), "--output", str(out2), "-q", "--lora",
+                 f"a={adapters['a']}", "--lora", f"b={adapters['b']}", "--lora", f"c={adapters['c']}",
+                 "--max-new-tokens", "8"]) == 0
+    assert [json.loads(l)["completion"] for l in out2.read_text().splitlines()] == \
+        [json.loads(l)["completion"] for l in out.read_text().splitlines()]
+
+
+def test_bad_adapters_are_one_line_exit_2(tiny, tmp_path, capsys):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    path = tiny["llama"].path
+    good = make_adapters(path, "llama", tmp_path / "good")["a"]
+
+    def variant(name: str, change) -> str:
+        d = tmp_path / name
+        shutil.copytree(good, d)
+        change(d)
+        return str(d)
+
+    def cfg_set(**kw):
+        def change(d):
+            c = json.loads((d / "adapter_config.json").read_text())
+            c.update(kw)
+            (d / "adapter_config.json").write_text(json.dumps(c))
+        return change
+
+    emb = tmp_path / "emb"
+    get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(r=2, target_modules=["embed_tokens"],
+                                                                          init_lora_weights=False)).save_pretrained(emb)
+    other = tmp_path / "other"
+    get_peft_model(AutoModelForCausalLM.from_pretrained(tiny["opt"].path),
+                   LoraConfig(r=2, target_modules=["q_proj"], init_lora_weights=False)).save_pretrained(other)
+    cases = {
+        "use_dora": variant("dora", cfg_set(use_dora=True)),
+        "modules_to_save": variant("mts", cfg_set(modules_to_save=["lm_head"])),
+        "embedding": str(emb),
+        "not a linear layer of this base model": str(other),
+        "adapter_model.safetensors": variant("nofile", lambda d: (d / "adapter_model.safetensors").unlink()),
+        "adapter_config.json": str(tmp_path / "missing"),
+        "peft_type": variant("ia3", cfg_set(peft_type="IA3")),
+    }
+    inp, out = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
+    inp.write_text('{"prompt_ids": [1, 2], "adapter": "x"}\n')
+    out.write_text('{"id": "old"}\n')
+    capsys.readouterr()  # what making the adapters printed
+    for says, adapter in cases.items():
+        code = main(["run", "--model", str(path), "--input", str(inp), "--output", str(out), "-q", "--lora",
+                     f"x={adapter}"])
+        err = capsys.readouterr().err
+        assert code == 2 and says in err and "'x'" in err and len(err.strip().splitlines()) == 1, (says, err)
+    code = main(["run", "--model", str(path), "--input", str(inp), "--output", str(out), "-q"])
+    err = capsys.readouterr().err
+    assert code == 2 and "unknown adapter 'x'" in err
+    assert out.read_text() == '{"id": "old"}\n'
