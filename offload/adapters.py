@@ -1,10 +1,11 @@
 """The adapter pool: LoRA adapters on the compute device, and their deltas added beside each
 adapted projection for the rows of a batch that use them.
 
-Knows: every loaded adapter's A and B per (layer, matmul tensor) in the compute dtype, an
-index per adapter name, the rows of each GPU batch that use each adapter (one segment per
-adapter present), and weight objects whose `linear` adds those segments' deltas to the base
-projection (so model files, which call `linear`, never mention adapters).
+Knows: every loaded adapter's A and B, packed per (layer, matmul tensor) across adapters
+(kernels.lora.LoraPack: no adapter padded to the largest rank) in the compute dtype; each
+adapter's index; a batch's adapter per row as an index tensor (-1: the base model); weight
+objects whose `linear` adds the rows' deltas to the base projection (so model files, which
+call `linear`, never mention adapters).
 Does not know: PEFT's files (flexoff.adapters), the schedule. All adapters sit on the compute
 device; paging them per layer with the weights is still to come.
 """
@@ -16,50 +17,54 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from flexoff.adapters.peft import Adapter
-from flexoff.kernels.lora import Segment, lora_delta
+from flexoff.kernels.lora import LoraPack, lora_delta
 from flexoff.models.base import linear, materialize
 
 
 class LoraLinear:
-    """A base weight (a tensor or a weight object) and the LoRA segments of its batch's rows."""
+    """A base weight (a tensor or a weight object) and the LoRA of its batch's rows."""
 
-    def __init__(self, base: Any, segments: Sequence[Segment]):
-        self.base, self.segments = base, segments
+    def __init__(self, base: Any, ids: torch.Tensor, pack: LoraPack):
+        self.base, self.ids, self.pack = base, ids, pack
 
     def linear(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        return lora_delta(x, linear(x, self.base, b), self.segments)
+        return lora_delta(x, linear(x, self.base, b), self.ids, self.pack)
 
     def dense(self) -> torch.Tensor:
         return materialize(self.base)
 
 
+def pack(adapters: Sequence[Adapter], key: tuple[int, str], device: torch.device, dtype: torch.dtype) -> LoraPack:
+    """One matmul's LoRA across adapters (rank 0 for those that leave it alone)."""
+    mods = [a.modules.get(key) for a in adapters]
+    ranks = [m.A.shape[0] if m is not None else 0 for m in mods]
+    offsets = [sum(ranks[:i]) for i in range(len(ranks))]
+    A = torch.cat([m.A for m in mods if m is not None]).to(device, dtype).contiguous()
+    Bt = torch.cat([m.B.t() for m in mods if m is not None]).to(device, dtype).contiguous()
+    return LoraPack(A, Bt, torch.tensor(ranks, dtype=torch.int32, device=device),
+                    torch.tensor(offsets, dtype=torch.int32, device=device),
+                    torch.tensor([m.scaling if m is not None else 0.0 for m in mods], dtype=torch.float32,
+                                 device=device), tuple(ranks), max(ranks))
+
+
 class AdapterPool:
     def __init__(self, adapters: Sequence[Adapter], device: torch.device, dtype: torch.dtype):
         self.index = {a.name: i for i, a in enumerate(adapters)}
-        self.modules: dict[tuple[int, str], dict[int, tuple[torch.Tensor, torch.Tensor, float]]] = {}
-        for i, a in enumerate(adapters):
-            for key, m in a.modules.items():
-                self.modules.setdefault(key, {})[i] = (m.A.to(device, dtype), m.B.to(device, dtype), m.scaling)
+        keys = {key for a in adapters for key in a.modules}
+        self.packs = {key: pack(adapters, key, device, dtype) for key in keys}
         self.device = device
 
-    def rows(self, names: Sequence[str | None]) -> dict[int, torch.Tensor]:
-        """Each adapter's rows in a batch whose rows use these adapters (None: the base model)."""
-        out: dict[int, list[int]] = {}
-        for r, name in enumerate(names):
-            if name is not None:
-                out.setdefault(self.index[name], []).append(r)
-        return {i: torch.tensor(rs, device=self.device) for i, rs in out.items()}
+    def ids(self, names: Sequence[str | None]) -> torch.Tensor:
+        """A batch's adapter per row as indices on the device (-1: the base model)."""
+        return torch.tensor([self.index[n] if n is not None else -1 for n in names], dtype=torch.int32,
+                            device=self.device)
 
-    def adapt(self, j: int, w: Mapping[str, Any], rows: Mapping[int, torch.Tensor]) -> Mapping[str, Any]:
-        """Layer j's weights with LoRA segments on the matmuls that the batch's adapters adapt."""
-        if not rows:
-            return w
-        out = dict(w)
+    def adapt(self, j: int, w: Mapping[str, Any], ids: torch.Tensor, present: frozenset[int]) -> Mapping[str, Any]:
+        """Layer j's weights, its matmuls that an adapter of the batch (`present`) adapts wrapped."""
+        out = None
         for name in w:
-            per = self.modules.get((j, name))
-            if not per:
-                continue
-            segs = [(rows[i], *per[i]) for i in rows if i in per]
-            if segs:
-                out[name] = LoraLinear(w[name], segs)
-        return out
+            p = self.packs.get((j, name))
+            if p is not None and any(p.ranks[a] for a in present):
+                out = out if out is not None else dict(w)
+                out[name] = LoraLinear(w[name], ids, p)
+        return out if out is not None else w

@@ -164,8 +164,9 @@ class BlockRun:
         self.states = [BatchState(b, gen_len, engine.device, pin) for b in batches]
         self.tasks = tasks
         self.training = any(b.labels is not None for b in batches)
-        pool = engine.adapters  # per batch: each adapter's rows
-        self.rows = [pool.rows(b.adapters) if pool is not None and b.adapters else {} for b in batches]
+        pool = engine.adapters  # per batch: the adapter of each row, and which are present
+        self.adapters = [(pool.ids(b.adapters), frozenset(pool.index[a] for a in b.adapters if a is not None))
+                         if pool is not None and b.adapters else None for b in batches]
         self.pending: list[Pending] = []
         self.cpu_free_at: float | None = None  # when the CPU attention lane last finished a call
         self.grads: list[torch.Tensor | None] = [None] * len(batches)  # d loss / d (current layer's output)

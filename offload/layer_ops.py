@@ -85,7 +85,7 @@ class LayerOp:
         """Layer j's weights for batch k (with its rows' LoRA adapters), and what to wait for."""
         self.e.stage(run, self.j)  # a no-op if staged already
         w, deps = self.e.weights.get(self.j)
-        return (self.e.adapters.adapt(self.j, w, run.rows[k]) if run.rows[k] else w), deps
+        return (self.e.adapters.adapt(self.j, w, *run.adapters[k]) if run.adapters[k] else w), deps
 
     def forward(self, run: BlockRun, step: Step) -> None:
         w, h = self._inputs(run, step)

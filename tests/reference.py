@@ -98,3 +98,33 @@ def save_in_hf_cache(folder: Path, cache: Path, repo_id: str) -> Path:
     (repo / "refs").mkdir(parents=True)
     (repo / "refs" / "main").write_text(revision)
     return repo / "snapshots" / revision
+
+
+LORA_TARGETS = {"opt": (["q_proj", "v_proj", "fc2"], ["k_proj", "out_proj", "fc1", "fc2"]),
+           "llama": (["q_proj", "v_proj", "down_proj"], ["k_proj", "o_proj", "gate_proj", "up_proj"]),
+           "qwen2": (["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"])}
+
+
+def make_adapters(path, name: str, root) -> dict[str, str]:
+    """Three random PEFT adapters made by peft itself (init_lora_weights=False, B scaled up so the
+    deltas matter), saved under root: a (rank 2), b (rank 8, rsLoRA), c (rank 4 with a rank and an
+    alpha pattern)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    first, second = LORA_TARGETS[name]
+    configs = {"a": LoraConfig(r=2, lora_alpha=5, target_modules=first, init_lora_weights=False),
+               "b": LoraConfig(r=8, lora_alpha=16, target_modules=second, use_rslora=True, init_lora_weights=False),
+               "c": LoraConfig(r=4, lora_alpha=8, target_modules=first + second[:1], init_lora_weights=False,
+                               rank_pattern={first[0]: 3}, alpha_pattern={first[1]: 12})}
+    out = {}
+    for n, (key, cfg) in enumerate(configs.items()):
+        torch.manual_seed(10 + n)
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(path).float(), cfg)
+        with torch.no_grad():  # B away from its small random start, so the deltas matter
+            for pname, p in model.named_parameters():
+                if "lora_B" in pname:
+                    p.mul_(30)
+        model.save_pretrained(root / key)
+        out[key] = str(root / key)
+    return out

@@ -13,13 +13,10 @@ import torch
 
 from flexoff import LLM, Policy
 from flexoff.cli import main
-from reference import PROMPTS
+from reference import PROMPTS, make_adapters
 
 peft = pytest.importorskip("peft")
 
-TARGETS = {"opt": (["q_proj", "v_proj", "fc2"], ["k_proj", "out_proj", "fc1", "fc2"]),
-           "llama": (["q_proj", "v_proj", "down_proj"], ["k_proj", "o_proj", "gate_proj", "up_proj"]),
-           "qwen2": (["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"])}
 POLICIES = [Policy(gpu_batch_size=5),
             Policy(gpu_batch_size=2, num_gpu_batches=3, w_gpu_percent=0, w_cpu_percent=100),
             Policy(gpu_batch_size=3, num_gpu_batches=2, w_gpu_percent=30, w_cpu_percent=40, cache_gpu_percent=0,
@@ -27,30 +24,6 @@ POLICIES = [Policy(gpu_batch_size=5),
             Policy(gpu_batch_size=2, w_gpu_percent=0, w_cpu_percent=0, cache_gpu_percent=0, cache_cpu_percent=0,
                    act_gpu_percent=0, act_cpu_percent=0)]
 ASSIGN = ["a", None, "b", "c", "a"]  # per prompt of PROMPTS
-
-
-def make_adapters(path, name: str, root) -> dict[str, str]:
-    """Three random PEFT adapters (init_lora_weights=False): ranks 2, 8 and 4 with a rank and alpha
-    pattern, one with rsLoRA."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    first, second = TARGETS[name]
-    configs = {"a": LoraConfig(r=2, lora_alpha=5, target_modules=first, init_lora_weights=False),
-               "b": LoraConfig(r=8, lora_alpha=16, target_modules=second, use_rslora=True, init_lora_weights=False),
-               "c": LoraConfig(r=4, lora_alpha=8, target_modules=first + second[:1], init_lora_weights=False,
-                               rank_pattern={first[0]: 3}, alpha_pattern={first[1]: 12})}
-    out = {}
-    for n, (key, cfg) in enumerate(configs.items()):
-        torch.manual_seed(10 + n)
-        model = get_peft_model(AutoModelForCausalLM.from_pretrained(path).float(), cfg)
-        with torch.no_grad():  # B away from its small random start, so the deltas matter
-            for pname, p in model.named_parameters():
-                if "lora_B" in pname:
-                    p.mul_(30)
-        model.save_pretrained(root / key)
-        out[key] = str(root / key)
-    return out
 
 
 def peft_greedy(path, adapter: str | None, prompt: list[int], n: int) -> list[int]:

@@ -180,3 +180,29 @@ def test_training_sweep_on_the_gpu_matches_the_cpu(tiny):
     assert abs(res["cuda"].loss - res["cpu"].loss) < 1e-4 * abs(res["cpu"].loss)
     for a, b, bt in zip(res["cuda"].input_grads, res["cpu"].input_grads, batches):
         assert rel_err(a.cpu()[bt.valid], b[bt.valid]) < 1e-3
+
+
+def test_lora_adapters_on_the_gpu_equal_peft(tiny, tmp_path):
+    """Mixed adapters (the Triton kernel) in float16 on the GPU against PEFT in float16 on the GPU."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from reference import make_adapters
+
+    path = tiny["llama"].path
+    adapters = make_adapters(path, "llama", tmp_path)
+    assign = ["a", None, "b", "c", "a"]
+    want = []
+    for a, p in zip(assign, PROMPTS):
+        model = AutoModelForCausalLM.from_pretrained(path).half().cuda().eval()
+        if a is not None:
+            model = PeftModel.from_pretrained(model, adapters[a]).half().eval()
+        out = model.generate(input_ids=torch.tensor([p], device="cuda"), max_new_tokens=8, do_sample=False,
+                             attention_mask=torch.ones(1, len(p), dtype=torch.long, device="cuda"), pad_token_id=0)
+        want.append(out[0, len(p):].tolist())
+    with LLM(str(path), device="cuda", dtype="float16", lora=adapters) as llm:
+        for policy in (Policy(gpu_batch_size=5), Policy(gpu_batch_size=2, num_gpu_batches=3, w_gpu_percent=0,
+                                                        w_cpu_percent=100)):
+            llm.policy_arg = policy
+            got = llm.generate([{"prompt_ids": p, "adapter": a} for a, p in zip(assign, PROMPTS)], max_new_tokens=8)
+            assert [c.token_ids for c in got.completions] == want, policy.describe()
