@@ -179,7 +179,7 @@ class Engine:
             run = BlockRun(self, batches, gen_len, [SampleTask(sampler, k, prompt_logprobs)
                                                      for k in range(len(batches))])
             clock = Clock(self, run.states, on_tokens)
-            lean = self.lean is not None and gen_len > 1 and not any(run.adapters)  # adapters: the loop
+            lean = self.lean is not None and gen_len > 1
             try:
                 self._execute(run, forward_sweeps(1 if lean else gen_len), clock.token_step_done)
                 if lean and not clock.stop:

@@ -39,6 +39,7 @@ class LeanStep:
     pos: torch.Tensor  # (n, 1) their positions
     t: torch.Tensor  # (1,) int64: the new token's place in the cache
     mask: torch.Tensor  # (n, 1, T) bool: cache positions each row attends to
+    adapters: torch.Tensor | None = None  # (n,) int32 adapter index per row (-1: none), if the pool serves it
 
 
 def dense(w: Mapping[str, Any]) -> dict[str, Any]:
@@ -113,6 +114,15 @@ class LayerOp:
         """A resident decode step: the layer's output (the head's: logits (n, vocab))."""
         raise NotImplementedError
 
+    def _lean_weights(self, ls: LeanStep) -> Mapping[str, Any]:
+        """Resident weights; with adapters, every matmul some adapter adapts is wrapped, whatever
+        the rows use now (a graph captured once then serves any mix of adapters)."""
+        w = self.e.weights.get(self.j)[0]
+        if ls.adapters is None:
+            return w
+        pool = self.e.adapters
+        return pool.adapt(self.j, w, ls.adapters, frozenset(range(len(pool.index))))
+
 
 class EmbedOp(LayerOp):
     def forward(self, run: BlockRun, step: Step) -> None:
@@ -133,7 +143,7 @@ class MlpOp(LayerOp):
         return self.e.fam.mlp(w, h)
 
     def lean(self, ls: LeanStep, h: torch.Tensor | None) -> torch.Tensor:
-        return self.e.fam.mlp(self.e.weights.get(self.j)[0], h)
+        return self.e.fam.mlp(self._lean_weights(ls), h)
 
 
 class HeadOp(LayerOp):
@@ -173,7 +183,7 @@ class AttnOp(LayerOp):
 
     def lean(self, ls: LeanStep, h: torch.Tensor | None) -> torch.Tensor:
         e = self.e
-        fam, codec, w = e.fam, e.kv.codec, e.weights.get(self.j)[0]
+        fam, codec, w = e.fam, e.kv.codec, self._lean_weights(ls)
         q, k, v = fam.attn_in(w, h, ls.pos)
         buf = e.kv.homes[self.li][ls.k]["gpu"].buf
         codec.write_at(buf, ls.n, ls.T, ls.t, k, v)

@@ -43,8 +43,10 @@ class _Batch:
     """One GPU batch shape's step over the engine's whole cache length, its inputs in buffers
     that outlive blocks, so that one captured graph serves every block with this batch."""
 
-    def __init__(self, dec: "LeanDecoder", k: int, n: int, T: int, device: torch.device):
+    def __init__(self, dec: "LeanDecoder", k: int, n: int, T: int, device: torch.device, adapters: bool):
         self.ids = torch.zeros(n, 1, dtype=torch.long, device=device)  # the previous step's tokens
+        # each row's LoRA adapter (-1: none), where the block uses adapters
+        self.adapters = torch.full((n,), -1, dtype=torch.int32, device=device) if adapters else None
         self.t = torch.zeros(1, dtype=torch.long, device=device)  # the new token's cache position
         self.start = torch.zeros(n, dtype=torch.long, device=device)  # position of cache slot 0 (-padding)
         self.valid = torch.ones(n, T, dtype=torch.bool, device=device)  # False on prompt padding
@@ -53,17 +55,19 @@ class _Batch:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
 
-    def load(self, st: BatchState) -> None:
-        """This block's prompt padding and positions."""
+    def load(self, st: BatchState, adapters: torch.Tensor | None) -> None:
+        """This block's prompt padding, positions and adapters."""
         self.valid.fill_(True)
         self.valid[:, :st.S].copy_(st.valid[:, :st.S])
         self.start.copy_(st.plen - st.S)
+        if self.adapters is not None:
+            self.adapters.copy_(adapters)
 
     def step(self) -> torch.Tensor:
         """Embedding, layers and head for the token at position self.t: logits (n, vocab)."""
         pos = (self.start + self.t)[:, None]  # (n, 1)
         mask = (self.valid & (self.arange <= self.t))[:, None, :]  # (n, 1, T)
-        ls = LeanStep(self.k, self.n, self.T, self.ids, pos, self.t, mask)
+        ls = LeanStep(self.k, self.n, self.T, self.ids, pos, self.t, mask, self.adapters)
         h = None
         for op in self.dec.engine.ops:
             h = op.lean(ls, h)
@@ -94,7 +98,7 @@ class LeanDecoder:
         self.graphs = graphs and engine.device.type == "cuda"
         self.failed = False  # a capture failed once: this engine decodes eagerly from then on
         self.T = engine.max_prompt + engine.max_gen  # cache positions every step attends over (masked)
-        self.batches: dict[tuple[int, int], _Batch] = {}  # (GPU batch, rows) -> its step, kept across blocks
+        self.batches: dict[tuple[int, int, bool], _Batch] = {}  # (GPU batch, rows, adapters) -> its step
         self.pool: object | None = None  # the graphs' memory pool
 
     @staticmethod
@@ -113,10 +117,12 @@ class LeanDecoder:
                 e.kv.homes[li][k]["gpu"].buf[:T * st.n * e.kv.codec.rec_bytes].view(T, -1)[S:].zero_()
         batches = []
         for k, st in enumerate(run.states):
-            if (k, st.n) not in self.batches:
-                self.batches[(k, st.n)] = _Batch(self, k, st.n, T, e.device)
-            batches.append(self.batches[(k, st.n)])
-            batches[-1].load(st)
+            ada = run.adapters[k][0] if run.adapters[k] else None
+            key = (k, st.n, ada is not None)  # a batch with adapters has its own graph
+            if key not in self.batches:
+                self.batches[key] = _Batch(self, k, st.n, T, e.device, ada is not None)
+            batches.append(self.batches[key])
+            batches[-1].load(st, ada)
         for i in range(1, gen_len):
             for b, st, task in zip(batches, run.states, run.tasks):
                 b.ids.copy_(st.tokens[i - 1][:, None])

@@ -51,6 +51,7 @@ def test_mixed_adapter_batches_equal_peft(tiny, name, tmp_path):
             llm.policy_arg = policy
             got = llm.generate([{"prompt_ids": p, "adapter": a} for a, p in zip(ASSIGN, PROMPTS)], max_new_tokens=8)
             assert [c.token_ids for c in got.completions] == want, policy.describe()
+            assert (llm.engine.lean is not None) == (policy is POLICIES[0])  # resident: the lean path, adapters too
         by_arg = llm.generate([{"prompt_ids": p} for p in PROMPTS], max_new_tokens=8, adapters=ASSIGN)
         assert [c.token_ids for c in by_arg.completions] == want
 
