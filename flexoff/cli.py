@@ -192,8 +192,9 @@ def run(model: str | None, input_path: str, output_path: str, max_new_tokens: in
 @click.option("--compress-weight", is_flag=True, help="4-bit group-wise weights.")
 @click.option("--compress-cache", is_flag=True, help="4-bit group-wise KV cache.")
 @click.option("--gpu-batch-size", type=click.IntRange(min=1), default=8, show_default=True)
+@click.option("--lora", default=None, metavar="PATH", help="Score with this PEFT LoRA adapter.")
 def ppl(model: str | None, text_path: str, max_tokens: int | None, dtype: str, device: str,
-        compress_weight: bool, compress_cache: bool, gpu_batch_size: int) -> None:
+        compress_weight: bool, compress_cache: bool, gpu_batch_size: int, lora: str | None) -> None:
     """Perplexity of a model on a text (the last line is `perplexity <value>`)."""
     from flexoff.api import LLM
     from flexoff.errors import InputError
@@ -205,7 +206,8 @@ def ppl(model: str | None, text_path: str, max_tokens: int | None, dtype: str, d
     except (OSError, UnicodeDecodeError) as e:
         raise InputError(f"cannot read {text_path}: {e}") from None
     policy = Policy(gpu_batch_size=gpu_batch_size, compress_weight=compress_weight, compress_cache=compress_cache)
-    with LLM(model, policy=policy, device=device, dtype=dtype) as llm:
+    with LLM(model, policy=policy, device=device, dtype=dtype, lora={"lora": lora} if lora else None,
+             default_adapter="lora" if lora else None) as llm:
         r = perplexity(llm, text, max_tokens)
     click.echo(f"model {llm.model.name}, dtype {str(llm.dtype).replace('torch.', '')}, "
                f"weights {'4-bit' if compress_weight else 'dense'}, cache {'4-bit' if compress_cache else 'dense'}")
@@ -326,10 +328,14 @@ def eval_group() -> None:
 @click.option("--output-path", default="benchmark_output", show_default=True, type=click.Path(file_okay=False))
 @click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto")
 @click.option("--device", default="auto")
+@click.option("--lora", "loras", multiple=True, metavar="NAME=PATH",
+              help="A PEFT LoRA adapter, used by run entries with adapter=NAME (repeatable).")
+@click.option("--lora-dir", default=None, type=click.Path(file_okay=False), help="As for `flexoff run`.")
 @click.option("--quiet", "-q", is_flag=True)
 @policy_options
 def eval_run(entries: tuple[str, ...], confs: tuple[str, ...], model: str | None, max_eval_instances: int | None,
-             suite: str, output_path: str, dtype: str, device: str, quiet: bool, policy_arg: Any, percent: Any,
+             suite: str, output_path: str, dtype: str, device: str, loras: tuple[str, ...], lora_dir: str | None,
+             quiet: bool, policy_arg: Any, percent: Any,
              gpu_batch_size: Any, num_gpu_batches: Any, cpu_cache_compute: Any, no_overlap: Any, compress_weight: Any,
              compress_cache: Any, gpu_mem: Any, cpu_mem: Any, disk_mem: Any, offload_dir: Any, hardware: Any) -> None:
     """Run evaluations; each lands in OUTPUT/runs/SUITE/RUN_NAME/ and resumes if interrupted."""
@@ -348,7 +354,8 @@ def eval_run(entries: tuple[str, ...], confs: tuple[str, ...], model: str | None
                           no_overlap, compress_weight, compress_cache)
     name = model or "smollm2"
     runs = [parse_entry(e, name) for e in all_entries]
-    llm = LLM(model, policy=policy, device=device, dtype=dtype, offload_dir=offload_dir, gpu_mem=gpu_mem,
+    llm = LLM(model, policy=policy, device=device, dtype=dtype, offload_dir=offload_dir,
+              lora=adapter_paths(loras, lora_dir), gpu_mem=gpu_mem,
               cpu_mem=cpu_mem, disk_mem=disk_mem, hardware=hardware, progress=False,
               compression=("on" if compress_weight else "off", "on" if compress_cache else "off"))
     results = []

@@ -72,7 +72,8 @@ def _evaluate(llm: Any, run: RunSpec, folder: Path, max_eval_instances: int | No
     if on_progress:
         on_progress(len(prompts) - len(todo))
     reqs = [{"id": p.instance.id, "prompt_ids": p.ids, "max_new_tokens": 0 if lm else spec.max_tokens,
-             "temperature": spec.temperature, "stop": list(spec.stop_sequences)} for p in todo]
+             "temperature": spec.temperature, "stop": list(spec.stop_sequences),
+             **({"adapter": run.lora} if run.lora else {})} for p in todo]
     completions, efficiency = ResultWriter(str(folder / COMPLETIONS)), ResultWriter(str(folder / EFFICIENCY))
 
     def on_block(comps: list, st: Any) -> None:

@@ -43,10 +43,12 @@ class RunSpec:
     scenario_args: tuple[tuple[str, str], ...]
     adapter_spec: AdapterSpec
     metrics: tuple[str, ...]
+    lora: str | None = None  # the LoRA adapter the run's requests use (adapter=NAME in the entry)
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "scenario_spec": {"class_name": self.scenario, "args": dict(self.scenario_args)},
-                "adapter_spec": self.adapter_spec.to_json(), "metric_specs": [{"name": m} for m in self.metrics]}
+                "adapter_spec": self.adapter_spec.to_json(), "metric_specs": [{"name": m} for m in self.metrics],
+                **({"lora_adapter": self.lora} if self.lora else {})}
 
     def make_scenario(self):
         return make_scenario(self.scenario, dict(self.scenario_args))
@@ -63,13 +65,14 @@ def parse_entry(entry: str, model: str) -> RunSpec:
         args[key.strip()] = value.strip()
     base = DEFAULT_ADAPTERS.get(name, AdapterSpec())
     adapter = base.with_overrides(args)
-    adapter_keys = {f.name for f in fields(AdapterSpec)}
+    adapter_keys = {f.name for f in fields(AdapterSpec)} | {"adapter"}  # adapter=NAME: a LoRA adapter
     scenario_args = {k: v for k, v in args.items() if k not in adapter_keys}
     make_scenario(name, scenario_args)  # validates the name and arguments now
     arg_text = ",".join(f"{k}={v}" for k, v in args.items())
     model_name = model.replace("/", "_").replace(":", "_")
     run_name = f"{name}:{arg_text + ',' if arg_text else ''}model={model_name}"
-    return RunSpec(run_name, name, tuple(scenario_args.items()), adapter, tuple(METRICS[adapter.method]))
+    return RunSpec(run_name, name, tuple(scenario_args.items()), adapter, tuple(METRICS[adapter.method]),
+                   args.get("adapter") or None)
 
 
 def read_entries(path: str) -> list[str]:

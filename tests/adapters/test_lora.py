@@ -124,3 +124,44 @@ def test_bad_adapters_are_one_line_exit_2(tiny, tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "unknown adapter 'x'" in err
     assert out.read_text() == '{"id": "old"}\n'
+
+
+def test_ppl_and_eval_use_an_adapter(tiny, tmp_path, capsys):
+    """`flexoff ppl --lora` scores with PEFT's log-probabilities; an eval run entry's adapter=NAME
+    sends its requests through that adapter."""
+    import math
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    path = tiny["llama"].path
+    adapters = make_adapters(path, "llama", tmp_path / "ad")
+    text = tmp_path / "t.txt"
+    text.write_text("a short text to score, " * 4)
+    with LLM(str(path)) as llm:
+        ids = llm.tokenizer.encode(text.read_text())
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path).float(), adapters["b"]).eval()
+    with torch.no_grad():
+        lp = model(torch.tensor([ids])).logits[0, :-1].double().log_softmax(-1)
+    want = math.exp(-float(lp.gather(1, torch.tensor(ids[1:])[:, None]).mean()))
+    capsys.readouterr()
+    assert main(["ppl", "--model", str(path), "--text", str(text), "--lora", adapters["b"]]) == 0
+    got = float(capsys.readouterr().out.strip().splitlines()[-1].split()[-1])
+    assert abs(got - want) < 1e-3 * want
+
+    out = tmp_path / "ev"
+    entry = "synthetic_reasoning:mode=pattern_match,num_test=4,max_tokens=4"
+    for extra in ([], ["--lora", f"b={adapters['b']}"]):
+        e = entry + (",adapter=b" if extra else "")
+        assert main(["eval", "run", "--run-entries", e, "--model", str(path), "--output-path", str(out), "-q",
+                     "--max-eval-instances", "4", *extra]) == 0, capsys.readouterr().err
+    runs = {d.name: d for d in (out / "runs" / "default").iterdir()}
+    with_adapter = [d for n, d in runs.items() if "adapter=b" in n]
+    assert len(runs) == 2 and len(with_adapter) == 1
+    spec = json.loads((with_adapter[0] / "run_spec.json").read_text())
+    assert spec["lora_adapter"] == "b"
+    capsys.readouterr()
+    code = main(["eval", "run", "--run-entries", entry + ",adapter=zz", "--model", str(path), "--output-path",
+                 str(out), "-q", "--max-eval-instances", "4"])
+    err = capsys.readouterr().err
+    assert code == 2 and "unknown adapter 'zz'" in err and len(err.strip().splitlines()) == 1
