@@ -178,6 +178,16 @@ class LLM:
             raise InputError(f"adapter name {name!r}: give a non-empty name without '='")
         self.adapters[name] = load_adapter(name, path, self.model.spec, self.allow_pickle)
 
+    def adapter_bytes(self) -> int:
+        """GPU bytes of the loaded adapters in the compute dtype (the engine's plan counts them)."""
+        return sum(a.nbytes // 4 for a in self.adapters.values()) * self.dtype.itemsize
+
+    def lora_ranks(self) -> tuple[float, ...]:
+        """Each loaded adapter as the cost model sees it: the rank that on every linear layer
+        would hold as many values."""
+        per_rank = sum(self.model.spec.lora_width(j) for j in range(len(self.model.spec.layers)))
+        return tuple(a.nbytes / 4 / per_rank for a in self.adapters.values())
+
     def adapter_pool(self) -> AdapterPool | None:
         """The loaded adapters on the compute device (made again when the set changes)."""
         if not self.adapters:
@@ -265,7 +275,9 @@ class LLM:
         from flexoff.quant.engine import formats
 
         e = self.engine
-        if e is not None and e.policy == policy and e.max_prompt >= max_prompt and e.max_gen >= max_gen:
+        adapter_bytes = self.adapter_bytes()
+        if e is not None and e.policy == policy and e.max_prompt >= max_prompt and e.max_gen >= max_gen \
+                and e.adapter_bytes == adapter_bytes:
             return e
         if e is not None:
             e.close()
@@ -281,7 +293,7 @@ class LLM:
         read_dev = self.device if m.name.startswith("dummy:") else torch.device("cpu")
         self.engine = self.residency.engine(policy, fmt, codec, max_prompt, max_gen,
                                             lambda j, dev: m.source.layer(j, layers[j], self.dtype, dev),
-                                            read_dev, self.progress)
+                                            read_dev, self.progress, adapter_bytes)
         return self.engine
 
     def drop_engine(self) -> None:

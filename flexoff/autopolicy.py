@@ -32,7 +32,7 @@ def engine_plan(llm: Any, policy: Policy, prompt_len: int, gen_len: int) -> Memo
     fmt, codec = formats(policy, m.spec, llm.dtype)
     layouts = [Layout(fmt.fields(l)) for l in m.spec.layers]
     return plan_memory(m.spec, layouts, codec.rec_bytes, policy, prompt_len, gen_len, llm.dtype,
-                       llm.device.type == "cuda")
+                       llm.device.type == "cuda", adapter_bytes=llm.adapter_bytes())
 
 
 def auto_policy(llm: Any, prompt_len: int, gen_len: int, num_prompts: int | None, **search_args: Any) -> Policy:
@@ -43,7 +43,7 @@ def auto_policy(llm: Any, prompt_len: int, gen_len: int, num_prompts: int | None
     b = llm.options.budgets
     budget = Budget.of(hw, b.gpu, b.cpu, b.disk)
     budget = Budget(budget.gpu - llm.gpu_margin, budget.cpu, budget.disk)
-    work = Workload(prompt_len, gen_len, llm.dtype.itemsize, num_prompts)
+    work = Workload(prompt_len, gen_len, llm.dtype.itemsize, num_prompts, llm.lora_ranks())
     error: MemoryBudgetError | None = None
     for _ in range(4):
         excess = {t: 0.0 for t in TIERS}

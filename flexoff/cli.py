@@ -76,6 +76,24 @@ def adapter_paths(loras: tuple[str, ...], lora_dir: str | None) -> dict[str, str
     return out
 
 
+def lora_rank_list(text: str | None, count: int | None) -> tuple[int, ...]:
+    """--lora-ranks 8,16,32 [--lora-adapters N]: N adapters' ranks, cycling through the list."""
+    from flexoff.errors import InputError
+
+    if text is None:
+        if count is not None:
+            raise InputError("--lora-adapters needs --lora-ranks")
+        return ()
+    try:
+        ranks = [int(r) for r in text.split(",")]
+    except ValueError:
+        raise InputError(f"--lora-ranks {text!r}: give integers like 8,16,32") from None
+    if not ranks or min(ranks) < 1:
+        raise InputError(f"--lora-ranks {text!r}: ranks must be positive")
+    n = count or len(ranks)
+    return tuple(ranks[i % len(ranks)] for i in range(n))
+
+
 def build_policy(policy_arg: str | None, percent: tuple[float, ...] | None, gpu_batch_size: int | None,
                  num_gpu_batches: int | None, cpu_cache_compute: bool | None, no_overlap: bool | None,
                  compress_weight: bool | None, compress_cache: bool | None) -> Any:
@@ -275,9 +293,14 @@ def policy() -> None:
 @click.option("--objective", type=click.Choice(["throughput", "latency"]), default="throughput", show_default=True)
 @click.option("--top", type=click.IntRange(min=1), default=5, show_default=True, help="Runner-up policies to show.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the chosen Policy here.")
+@click.option("--lora-ranks", default=None, metavar="R1,R2,...",
+              help="LoRA adapters held on the GPU, each on every linear layer with its rank (e.g. 8,16,32,64).")
+@click.option("--lora-adapters", type=click.IntRange(min=1), default=None,
+              help="How many adapters, cycling through --lora-ranks (default: one per rank).")
 def policy_search(model: str, prompt_len: int, gen_len: int, num_prompts: int | None, gpu_mem: Any, cpu_mem: Any,
                   disk_mem: Any, hardware: str | None, dtype: str, cw: str, cc: str, cpu_attention: str,
-                  no_overlap: bool, max_latency: float | None, objective: str, top: int, json_path: str | None) -> None:
+                  no_overlap: bool, max_latency: float | None, objective: str, top: int, json_path: str | None,
+                  lora_ranks: str | None, lora_adapters: int | None) -> None:
     """Find the best policy for a model and workload, and explain it."""
     from flexoff.checkpoint import load_model
     from flexoff import profiler
@@ -289,7 +312,8 @@ def policy_search(model: str, prompt_len: int, gen_len: int, num_prompts: int | 
     spec = load_model(model).spec
     hw = profiler.load(hardware, log=lambda m: click.echo(m, err=True))
     budget = Budget.of(hw, gpu_mem, cpu_mem, disk_mem)
-    work = Workload(prompt_len, gen_len, {"float32": 4}.get(dtype, 2), num_prompts)
+    ranks = lora_rank_list(lora_ranks, lora_adapters)
+    work = Workload(prompt_len, gen_len, {"float32": 4}.get(dtype, 2), num_prompts, ranks)
     cands = search(spec, hw, work, budget, compress_weight=cw, compress_cache=cc, cpu_attention=cpu_attention,
                    overlap=not no_overlap, max_latency=max_latency, objective=objective)
     best = cands[0]
@@ -302,6 +326,12 @@ def policy_search(model: str, prompt_len: int, gen_len: int, num_prompts: int | 
     click.echo(f"throughput  {p.throughput:.3f} tokens/s (predicted)")
     click.echo(f"bottleneck  {p.bottleneck}")
     click.echo("memory      " + ", ".join(f"{t} {v / gib:.2f} GiB" for t, v in p.memory.items()))
+    if ranks:
+        width = sum(spec.lora_width(j) for j in range(len(spec.layers)))
+        click.echo(f"lora        {len(ranks)} adapters (mean rank {sum(ranks) / len(ranks):g}) on every linear layer: "
+                   f"{sum(ranks) * width * work.elem_bytes / gib:.2f} GiB on the GPU, "
+                   f"{2 * sum(ranks) / len(ranks) * width:.3g} FLOPs per token (base "
+                   f"{sum(spec.linear_flops(j) for j in range(len(spec.layers))):.3g})")
     if len(cands) > 1:
         click.echo("runners-up:")
         for c in cands[1:top + 1]:

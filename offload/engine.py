@@ -72,14 +72,15 @@ class Engine:
                  kv_codec: KVCodec | None = None, tiers: Tiers | None = None,
                  weights: WeightStore | None = None, credit: dict[str, int] | None = None,
                  moving: list[ByteSplit] | None = None, training: bool = False,
-                 cuda_graphs: bool | None = None):
+                 cuda_graphs: bool | None = None, adapter_bytes: int = 0):
         self.fam, self.spec, self.policy, self.device, self.dtype = family, spec, policy, device, dtype
         self.max_prompt, self.max_gen = max_prompt, max_gen
         self.fmt = weight_format or PlainFormat(dtype)
         codec = kv_codec or PlainKV(spec.num_kv_heads, spec.head_dim, dtype)
         layouts = [Layout(self.fmt.fields(l)) for l in spec.layers]
         self.plan: MemoryPlan = plan_memory(spec, layouts, codec.rec_bytes, policy, max_prompt, max_gen,
-                                            dtype, device.type == "cuda", training)
+                                            dtype, device.type == "cuda", training, adapter_bytes)
+        self.adapter_bytes = adapter_bytes  # LoRA adapters the caller keeps on the compute device
         if moving:  # an older store's layers (their splits) move in: each stays until it has moved
             self.plan.add("weights being moved", move_overhead(moving, plan_weights(layouts, policy)))
         # before anything is allocated; `credit` is memory already held that the plan counts

@@ -40,7 +40,7 @@ class Residency:
         self.weights: WeightStore | None = None  # the store the current engine uses
 
     def engine(self, policy: Policy, fmt: WeightFormat, codec: KVCodec, max_prompt: int, max_gen: int,
-               read: ReadLayer, read_device: torch.device, progress: bool = False) -> Engine:
+               read: ReadLayer, read_device: torch.device, progress: bool = False, adapter_bytes: int = 0) -> Engine:
         """A new engine for the policy, its weights kept, moved or read (through `read`, onto
         `read_device`, then placed)."""
         if self.tiers is None:
@@ -58,7 +58,8 @@ class Residency:
             return Engine(self.fam, self.spec, policy, device=self.device, dtype=self.dtype, max_prompt=max_prompt,
                           max_gen=max_gen, offload_dir=self.offload_dir, budgets=self.budgets, weight_format=fmt,
                           kv_codec=codec, tiers=self.tiers, weights=old if reuse else None,
-                          credit=self._credit(old), moving=old.splits if old is not None and not reuse else None)
+                          credit=self._credit(old), moving=old.splits if old is not None and not reuse else None,
+                          adapter_bytes=adapter_bytes)
         try:
             engine = build(old)
         except MemoryBudgetError:

@@ -24,6 +24,7 @@ Names follow the FlexGen paper:
 | cpu_flops, cpu_attn_bdw | CPU attention FLOP/s, and the KV bytes/s it reads |
 | ctog, gtoc, dtoc, ctod, comp | a layer's seconds of each transfer, and of compute |
 | host, host_step_s | a layer's seconds of host work: one engine step per GPU batch (not in FlexGen) |
+| lora_W, lora_F | LoRA adapters held on the GPU: bytes per rank on every linear, and delta FLOPs per token (not in FlexGen) |
 | T_pre, T_gen | a layer's prefill time, and its average decode time per token |
 | T | block latency: sum over layers of T_pre + (n - 1) T_gen |
 """
@@ -48,6 +49,7 @@ class Workload:
     gen_len: int  # n
     elem_bytes: int = 2  # compute dtype
     num_prompts: int | None = None  # sequences in the job (None: unbounded)
+    lora_ranks: tuple[float, ...] = ()  # LoRA adapters held on the GPU: each one's rank on every linear layer
 
 
 @dataclass(frozen=True)
@@ -100,6 +102,12 @@ class CostModel:
         self.W_total = sum(self.count[k] * self.W[k] for k in KINDS)
         self.W_max = max(self.W.values())
         self.slots = weight_slots(choice.cpu_cache_compute)  # the engine's GPU weight slots
+        # LoRA: values each adapter holds per rank, and each row's delta FLOPs per token (rows spread
+        # evenly over the adapters: their mean rank)
+        self.lora_W = sum(spec.lora_width(j) for j in range(len(spec.layers))) * eb
+        ranks = work.lora_ranks
+        self.lora_bytes = sum(ranks) * self.lora_W
+        self.lora_F = {k: 2 * (sum(ranks) / len(ranks) if ranks else 0.0) * spec.lora_width(first[k]) for k in KINDS}
 
     # ---- time ----------------------------------------------------------
     def terms(self, x: Mapping[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
@@ -125,7 +133,8 @@ class CostModel:
                     "ctod": x["hd"] * act * h_out / hw.ctod_bdw_hidden,
                 }
                 rows = 1 if (stage == "p" and k == "head") else tok  # the head sees the last token only
-                gpu = bls * rows * self.F[k] / (hw.mm_flops_p if stage == "p" else hw.mm_flops_g) + deq_w
+                gpu = bls * rows * (self.F[k] + self.lora_F[k]) / (hw.mm_flops_p if stage == "p" else hw.mm_flops_g) \
+                    + deq_w
                 cpu = 0.0
                 if attn and stage == "p":
                     t["gtoc"] += (x["cc"] + x["cd"]) * bls * s * self.kv / hw.gtoc_bdw_cache
@@ -170,7 +179,7 @@ class CostModel:
         working += self.spec.inflight_bytes(ch.gpu_batch_size, s, self.work.elem_bytes)
         return {
             "gpu": x["wg"] * self.W_total + self.slots * (1 - x["wg"]) * self.W_max + x["cg"] * cache
-            + 2 * ch.gpu_batch_size * staged * (s + n) * self.kv + x["hg"] * act + working,
+            + 2 * ch.gpu_batch_size * staged * (s + n) * self.kv + x["hg"] * act + working + self.lora_bytes,
             "cpu": x["wc"] * self.W_total + x["cc"] * cache + x["hc"] * act,
             "disk": x["wd"] * self.W_total + x["cd"] * cache + x["hd"] * act,
         }

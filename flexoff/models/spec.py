@@ -141,6 +141,14 @@ class ModelSpec:
         """Matmul FLOPs of layer j for one token (2 per multiply-add)."""
         return 2 * sum(math.prod(t.shape) for t in self.layers[j].tensors if t.matmul)
 
+    def lora_width(self, j: int) -> int:
+        """Sum of (in + out) over layer j's matmuls that LoRA may adapt (not the embedding or
+        head): one rank of an adapter on all of them holds this many values, and costs twice as
+        many FLOPs per token."""
+        if self.layers[j].kind in ("embed", "head"):
+            return 0
+        return sum(sum(t.shape) for t in self.layers[j].tensors if t.matmul)
+
     def attn_flops(self, context: int) -> int:
         """Score and value FLOPs of one attention layer for one query over `context` keys."""
         return 4 * self.num_heads * self.head_dim * context

@@ -165,3 +165,38 @@ def test_ppl_and_eval_use_an_adapter(tiny, tmp_path, capsys):
                  str(out), "-q", "--max-eval-instances", "4"])
     err = capsys.readouterr().err
     assert code == 2 and "unknown adapter 'zz'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_adapters_are_counted_by_the_plan_and_the_cost_model(tiny, tmp_path, capsys):
+    import math
+
+    from flexoff.dummy import dummy_config
+    from flexoff.models.spec import ModelSpec
+    from flexoff.policy.cost_model import Choice, CostModel, Workload
+    from flexoff.policy.hardware import h200
+
+    path = tiny["llama"].path
+    adapters = make_adapters(path, "llama", tmp_path)
+    with LLM(str(path), lora=adapters) as llm:
+        llm.generate([{"prompt_ids": [1, 2, 3], "adapter": "b"}], max_new_tokens=2)
+        pool = llm.adapter_pool()
+        held = sum(t.numel() * t.element_size() for p in pool.packs.values() for t in (p.A, p.Bt))
+        assert llm.engine.plan.parts["adapters"]["gpu"] == held  # what the GPU holds, counted before allocating
+    spec = ModelSpec.from_config("dummy:llama-7b", dummy_config("llama-7b"))
+    width = sum(sum(t.shape) for l in spec.layers if l.kind in ("attn", "mlp") for t in l.tensors if t.matmul)
+    x = {"wg": 1, "wc": 0, "wd": 0, "cg": 1, "cc": 0, "cd": 0, "hg": 1, "hc": 0, "hd": 0}
+    plain = CostModel(spec, h200(), Workload(512, 32), Choice(8, 1))
+    lora = CostModel(spec, h200(), Workload(512, 32, lora_ranks=(8, 16, 64)), Choice(8, 1))
+    assert lora.memory(x)["gpu"] - plain.memory(x)["gpu"] == (8 + 16 + 64) * width * 2
+    mlp_width = sum(sum(t.shape) for t in spec.layers[2].tensors if t.matmul)
+    extra = lora.terms(x)[("g", "mlp")]["comp"] - plain.terms(x)[("g", "mlp")]["comp"]
+    assert math.isclose(extra, 8 * 2 * (88 / 3) * mlp_width / h200().mm_flops_g)
+    code = main(["policy", "search", "--model", "dummy:llama-7b", "--prompt-len", "512", "--gen-len", "32",
+                 "--hardware", "h200", "--gpu-mem", "80GiB", "--lora-ranks", "8,16", "--lora-adapters", "4"])
+    out = capsys.readouterr().out
+    assert code == 0 and f"{(8 + 16 + 8 + 16) * width * 2 / 2**30:.2f} GiB on the GPU" in out
+    for bad in (["--lora-ranks", "8,x"], ["--lora-ranks", "0"], ["--lora-adapters", "3"]):
+        code = main(["policy", "search", "--model", "dummy:llama-7b", "--prompt-len", "8", "--gen-len", "2",
+                     "--hardware", "h200", *bad])
+        err = capsys.readouterr().err
+        assert code == 2 and len(err.strip().splitlines()) == 1
