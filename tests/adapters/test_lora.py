@@ -200,3 +200,30 @@ def test_adapters_are_counted_by_the_plan_and_the_cost_model(tiny, tmp_path, cap
                      "--hardware", "h200", *bad])
         err = capsys.readouterr().err
         assert code == 2 and len(err.strip().splitlines()) == 1
+
+
+def test_adapters_on_compressed_base_weights_equal_peft_on_the_same_values(tiny, tmp_path):
+    """4-bit base weights with 16-bit adapters: PEFT on a copy whose linear weights hold the same
+    dequantized 4-bit values (flexoff compresses output channels in groups of 64)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from flexoff.quant import QuantConfig, dequantize, quantize
+
+    path = tiny["llama"].path
+    adapters = make_adapters(path, "llama", tmp_path / "ad")
+    base = AutoModelForCausalLM.from_pretrained(path).float()
+    cfg = QuantConfig(4, 64, dim=0)
+    with torch.no_grad():
+        for n, mod in base.named_modules():
+            if isinstance(mod, torch.nn.Linear) and n.split(".")[-1] != "embed_tokens":
+                mod.weight.copy_(dequantize(quantize(mod.weight, cfg)))
+    base.save_pretrained(tmp_path / "fq")
+    want = [peft_greedy(tmp_path / "fq", adapters[a] if a else None, p, 8) for a, p in zip(ASSIGN, PROMPTS)]
+    with LLM(str(path), lora=adapters) as llm:
+        for policy in (Policy(gpu_batch_size=5, compress_weight=True),
+                       Policy(gpu_batch_size=2, num_gpu_batches=3, w_gpu_percent=0, w_cpu_percent=100,
+                              compress_weight=True)):
+            llm.policy_arg = policy
+            got = llm.generate([{"prompt_ids": p, "adapter": a} for a, p in zip(ASSIGN, PROMPTS)], max_new_tokens=8)
+            assert [c.token_ids for c in got.completions] == want, policy.describe()
