@@ -37,6 +37,7 @@ class LoraPack:
     scale: torch.Tensor  # (adapters,) float32
     ranks: tuple[int, ...]  # the same ranks on the host
     max_rank: int
+    scales: tuple[float, ...] = ()  # the same scalings on the host, exactly
 
 
 def lora_delta_ref(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: LoraPack) -> torch.Tensor:
@@ -49,13 +50,14 @@ def lora_delta_ref(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: LoraP
         rows = (ids == a).nonzero()[:, 0]
         o = offsets[a]
         d = F.linear(F.linear(x.index_select(0, rows), p.A[o:o + r]), p.Bt[o:o + r].t())
-        y = y.index_add(0, rows, (d * float(p.scale[a])).to(y.dtype))
+        y = y.index_add(0, rows, (d * p.scales[a]).to(y.dtype))
     return y
 
 
 def lora_delta(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: LoraPack) -> torch.Tensor:
-    """The dispatch: the kernel for CUDA tensors, the reference elsewhere."""
-    if HAVE_TRITON and x.is_cuda:
+    """The dispatch: the kernel for CUDA tensors, the reference elsewhere and wherever autograd
+    records (a training sweep's recompute differentiates through it)."""
+    if HAVE_TRITON and x.is_cuda and not torch.is_grad_enabled():
         return lora_delta_triton(x, y, ids, p)
     return lora_delta_ref(x, y, ids, p)
 

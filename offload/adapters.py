@@ -41,10 +41,10 @@ def pack(adapters: Sequence[Adapter], key: tuple[int, str], device: torch.device
     offsets = [sum(ranks[:i]) for i in range(len(ranks))]
     A = torch.cat([m.A for m in mods if m is not None]).to(device, dtype).contiguous()
     Bt = torch.cat([m.B.t() for m in mods if m is not None]).to(device, dtype).contiguous()
+    scales = tuple(m.scaling if m is not None else 0.0 for m in mods)
     return LoraPack(A, Bt, torch.tensor(ranks, dtype=torch.int32, device=device),
                     torch.tensor(offsets, dtype=torch.int32, device=device),
-                    torch.tensor([m.scaling if m is not None else 0.0 for m in mods], dtype=torch.float32,
-                                 device=device), tuple(ranks), max(ranks))
+                    torch.tensor(scales, dtype=torch.float32, device=device), tuple(ranks), max(ranks), scales)
 
 
 class AdapterPool:

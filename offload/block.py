@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -118,17 +118,19 @@ class LossTask:
         raise RuntimeError("internal: training batches sample no tokens")
 
     def backward(self, fam: Family, w: Weights, h: torch.Tensor, st: BatchState) -> torch.Tensor:
-        return vjp(lambda x: self._loss(fam, w, x), h, None)
+        return vjp(lambda x: self._loss(fam, w, x), h, None)[0]
 
 
-def vjp(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
-    """The gradient of <fn(x), g> (of fn(x) if it is a scalar and g is None) with respect to x,
-    recomputing fn inside: nothing of the forward is kept between sweeps but x itself."""
+def vjp(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, g: torch.Tensor | None,
+        params: Sequence[torch.Tensor] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The gradient of <fn(x), g> (of fn(x) if it is a scalar and g is None) with respect to x and
+    to `params` (leaves fn reads, such as LoRA weights), recomputing fn inside: nothing of the
+    forward is kept between sweeps but x itself."""
     with torch.enable_grad():
         xg = x.detach().requires_grad_(True)
         y = fn(xg)
-        (gx,) = torch.autograd.grad(y, xg, g)
-    return gx
+        grads = torch.autograd.grad(y, [xg, *params], g)
+    return grads[0], list(grads[1:])
 
 
 def prompt_logprobs(fam: Family, w: Weights, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -170,6 +172,8 @@ class BlockRun:
         self.pending: list[Pending] = []
         self.cpu_free_at: float | None = None  # when the CPU attention lane last finished a call
         self.grads: list[torch.Tensor | None] = [None] * len(batches)  # d loss / d (current layer's output)
+        # d loss / d (each adapted matmul's packed LoRA A and B transposed), summed over batches
+        self.lora_grads: dict[tuple[int, str], list[torch.Tensor]] = {}
 
     def finish_where(self, which: Callable[[Pending], bool]) -> None:
         """Finish the pending CPU attention calls `which` picks, oldest first: wait for each and

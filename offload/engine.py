@@ -18,7 +18,7 @@ import os
 import resource
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
@@ -60,6 +60,8 @@ class TrainResult:
     loss: float  # the step's loss: summed over labelled tokens, divided by their count
     tokens: int  # labelled tokens
     input_grads: list[torch.Tensor]  # per batch: d loss / d (the embedding's output), (n, s, hidden)
+    # per adapted (layer, matmul): d loss / d (the pool's packed A, and B transposed), every adapter's rows
+    lora_grads: dict[tuple[int, str], list[torch.Tensor]] = field(default_factory=dict)
 
 
 class Engine:
@@ -209,7 +211,7 @@ class Engine:
                 self.hidden.clear()
                 self.stash.clear()
         loss = float(sum(t.loss for t in tasks)) if tasks else 0.0
-        return TrainResult(loss, tokens, list(run.grads))
+        return TrainResult(loss, tokens, list(run.grads), run.lora_grads)
 
     def _execute(self, run: BlockRun, sweeps: list[Sweep], sweep_done: Callable[[int], bool]) -> None:
         """Run the block's plan: FlexGen's loop, each step's loads issued ahead of its compute."""

@@ -12,7 +12,7 @@ Does not know: the order of steps (offload.schedule), where tensors live (the st
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
@@ -20,6 +20,7 @@ import torch
 from flexoff.kernels.attention import decode_attention
 from flexoff.models.attention import attend, attend_cached
 from flexoff.models.base import materialize
+from flexoff.offload.adapters import LoraLinear
 from flexoff.offload.block import BlockRun, Pending, vjp
 from flexoff.offload.lanes import DONE, Event
 from flexoff.offload.schedule import Step
@@ -43,8 +44,22 @@ class LeanStep:
 
 
 def dense(w: Mapping[str, Any]) -> dict[str, Any]:
-    """Weights that autograd can differentiate through (compressed ones dequantized)."""
-    return {n: materialize(v) for n, v in w.items()}
+    """Weights that autograd can differentiate through: compressed ones dequantized; LoRA-wrapped
+    ones keep their adapters, with A and B transposed as fresh leaves (the gradients asked for)."""
+    out: dict[str, Any] = {}
+    for n, v in w.items():
+        if isinstance(v, LoraLinear):
+            p = v.pack
+            leaves = replace(p, A=p.A.detach().requires_grad_(True), Bt=p.Bt.detach().requires_grad_(True))
+            out[n] = LoraLinear(materialize(v.base), v.ids, leaves)
+        else:
+            out[n] = materialize(v)
+    return out
+
+
+def lora_leaves(w: Mapping[str, Any]) -> list[tuple[str, list[torch.Tensor]]]:
+    """The LoRA leaves dense() made, by tensor name."""
+    return [(n, [v.pack.A, v.pack.Bt]) for n, v in w.items() if isinstance(v, LoraLinear)]
 
 
 class LayerOp:
@@ -100,7 +115,13 @@ class LayerOp:
         e.lanes.compute.wait(deps + sdeps)
         g = run.grads[step.k]
         wd = dense(w)
-        run.grads[step.k] = vjp(lambda h: self.window(run, step, wd, h), x, g)
+        leaves = lora_leaves(wd)
+        run.grads[step.k], pgrads = vjp(lambda h: self.window(run, step, wd, h), x, g,
+                                        [t for _, ts in leaves for t in ts])
+        for n, (gA, gBt) in zip((n for n, _ in leaves), zip(pgrads[0::2], pgrads[1::2])):
+            acc = run.lora_grads.setdefault((self.j, n), [torch.zeros_like(gA), torch.zeros_like(gBt)])
+            acc[0] += gA
+            acc[1] += gBt
         e.weights.was_read(self.j, e.lanes.compute.mark())
 
     def compute(self, run: BlockRun, step: Step, w: Mapping[str, Any], h: torch.Tensor) -> torch.Tensor:

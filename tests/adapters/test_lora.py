@@ -205,7 +205,6 @@ def test_adapters_are_counted_by_the_plan_and_the_cost_model(tiny, tmp_path, cap
 def test_adapters_on_compressed_base_weights_equal_peft_on_the_same_values(tiny, tmp_path):
     """4-bit base weights with 16-bit adapters: PEFT on a copy whose linear weights hold the same
     dequantized 4-bit values (flexoff compresses output channels in groups of 64)."""
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from flexoff.quant import QuantConfig, dequantize, quantize
@@ -227,3 +226,69 @@ def test_adapters_on_compressed_base_weights_equal_peft_on_the_same_values(tiny,
             llm.policy_arg = policy
             got = llm.generate([{"prompt_ids": p, "adapter": a} for a, p in zip(ASSIGN, PROMPTS)], max_new_tokens=8)
             assert [c.token_ids for c in got.completions] == want, policy.describe()
+
+
+@pytest.mark.parametrize("policy", [Policy(gpu_batch_size=3, num_gpu_batches=2),
+                                    Policy(gpu_batch_size=3, num_gpu_batches=2, w_gpu_percent=0, w_cpu_percent=100,
+                                           stash_gpu_percent=0, stash_cpu_percent=100)],
+                         ids=["resident", "offloaded"])
+def test_training_sweep_lora_gradients_equal_peft_autograd(tiny, tmp_path, policy):
+    """The reverse sweep's gradients for each adapter's A and B (float64) equal autograd through
+    PEFT with that adapter active, over the rows that use it (base rows and other adapters' rows in
+    the same batches)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from flexoff.adapters import load_adapter
+    from flexoff.offload.adapters import AdapterPool
+    from flexoff.offload.block import IGNORE
+    from flexoff.offload.engine import Engine
+    from reference import train_batches
+
+    path = tiny["llama"].path
+    made = make_adapters(path, "llama", tmp_path)
+    prompts = PROMPTS + [[3, 1, 4, 1, 5, 9, 2, 6]]
+    rows = [["a", None, "b"], ["b", "a", None]]
+    batches = train_batches(3, prompts)
+    for b, names in zip(batches, rows):
+        b.adapters = names
+    total = sum(int((b.labels != IGNORE).sum()) for b in batches)
+    with LLM(str(path)) as llm:
+        m = llm.model
+        adapters = [load_adapter(n, made[n], m.spec) for n in ("a", "b")]
+        e = Engine(m.family, m.spec, policy, device=torch.device("cpu"), dtype=torch.float64, max_prompt=16,
+                   max_gen=1, training=True)
+        try:
+            e.load_weights((j, m.source.layer(j, lay, torch.float64, e.device)) for j, lay in enumerate(m.spec.layers))
+            e.adapters = pool = AdapterPool(adapters, e.device, torch.float64)
+            got = e.run_train(batches)
+        finally:
+            e.close()
+    names = {t.hf_names[0][:-len(".weight")]: (j, t.name) for j, lay in enumerate(m.spec.layers)
+             for t in lay.tensors if t.matmul}
+    for idx, name in enumerate(("a", "b")):
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path).double(), made[name],
+                                          is_trainable=True)
+        loss = 0
+        for b, ad in zip(batches, rows):
+            sel = [r for r, a in enumerate(ad) if a == name]
+            mask = b.valid[sel].long()
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)
+            logits = model(input_ids=b.ids[sel], attention_mask=mask, position_ids=pos).logits
+            loss = loss + torch.nn.functional.cross_entropy(logits.flatten(0, 1), b.labels[sel].flatten(),
+                                                            ignore_index=IGNORE, reduction="sum") / total
+        loss.backward()
+        pairs = []
+        for pname, prm in model.named_parameters():
+            if "lora_" not in pname:
+                continue
+            module = pname.split("base_model.model.", 1)[1].rsplit(".lora_", 1)[0]
+            key = names[module]
+            p = pool.packs[key]
+            o, r = int(p.offset[idx]), p.ranks[idx]
+            gA, gBt = got.lora_grads[key]
+            pairs.append((pname, gA[o:o + r] if ".lora_A." in pname else gBt[o:o + r].t(), prm.grad))
+        scale = max(float(ref.abs().max()) for _, _, ref in pairs)  # the adapter's largest gradient
+        for pname, mine, ref in pairs:
+            assert float((mine - ref).abs().max()) <= 1e-9 * scale, pname
+        assert len(pairs) >= 6
