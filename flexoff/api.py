@@ -269,7 +269,16 @@ class LLM:
             return auto_policy(self, prompt, gen, len(requests))
         return Policy.load(p)
 
-    def engine_for(self, policy: Policy, max_prompt: int, max_gen: int) -> Engine:
+    def choose_policy_for_training(self, n: int) -> Policy:
+        """The policy training steps run under: the one given, or everything on the compute device."""
+        p = self.policy_arg
+        if isinstance(p, Policy):
+            return p
+        if p == "auto":
+            raise InputError("--policy auto does not plan finetuning yet; give a policy (--percent and batch flags)")
+        return Policy.load(p) if p else Policy(gpu_batch_size=max(1, min(DEFAULT_BATCH, n)))
+
+    def engine_for(self, policy: Policy, max_prompt: int, max_gen: int, training: bool = False) -> Engine:
         """An engine for this policy and these sizes: the current one while it fits, else a new
         one whose weights the residency keeps, moves or reads again (offload.residency)."""
         from flexoff.quant.engine import formats
@@ -277,7 +286,7 @@ class LLM:
         e = self.engine
         adapter_bytes = self.adapter_bytes()
         if e is not None and e.policy == policy and e.max_prompt >= max_prompt and e.max_gen >= max_gen \
-                and e.adapter_bytes == adapter_bytes:
+                and e.adapter_bytes == adapter_bytes and e.training == training:
             return e
         if e is not None:
             e.close()
@@ -293,7 +302,7 @@ class LLM:
         read_dev = self.device if m.name.startswith("dummy:") else torch.device("cpu")
         self.engine = self.residency.engine(policy, fmt, codec, max_prompt, max_gen,
                                             lambda j, dev: m.source.layer(j, layers[j], self.dtype, dev),
-                                            read_dev, self.progress, adapter_bytes)
+                                            read_dev, self.progress, adapter_bytes, training)
         return self.engine
 
     def drop_engine(self) -> None:

@@ -203,6 +203,52 @@ def run(model: str | None, input_path: str, output_path: str, max_new_tokens: in
 
 @cli.command()
 @click.option("--model", default=None, help="As for `flexoff run`.")
+@click.option("--data", "data_path", required=True, help="Training JSONL: text, prompt + completion, or messages.")
+@click.option("--output", required=True, type=click.Path(file_okay=False), help="Folder for the PEFT adapter.")
+@click.option("--lora-r", type=click.IntRange(min=1), default=16, show_default=True)
+@click.option("--lora-alpha", type=float, default=32.0, show_default=True)
+@click.option("--lora-targets", default=None, help="Comma-separated module names (default: every linear layer).")
+@click.option("--init-adapter", default=None, type=click.Path(file_okay=False), help="Start from this PEFT adapter.")
+@click.option("--steps", type=click.IntRange(min=1), default=None)
+@click.option("--epochs", type=click.FloatRange(min=0, min_open=True), default=None)
+@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=2e-4, show_default=True)
+@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True, help="Sequences per step.")
+@click.option("--max-seq-len", type=click.IntRange(min=2), default=1024, show_default=True)
+@click.option("--warmup", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--schedule", type=click.Choice(["constant", "linear", "cosine"]), default="cosine", show_default=True)
+@click.option("--max-grad-norm", type=float, default=1.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto")
+@click.option("--device", default="auto")
+@click.option("--quiet", "-q", is_flag=True)
+@policy_options
+def finetune(model: str | None, data_path: str, output: str, lora_r: int, lora_alpha: float, lora_targets: str | None,
+             init_adapter: str | None, steps: int | None, epochs: float | None, lr: float, batch_size: int,
+             max_seq_len: int, warmup: int, schedule: str, max_grad_norm: float, seed: int, dtype: str, device: str,
+             quiet: bool, policy_arg: Any, percent: Any, gpu_batch_size: Any, num_gpu_batches: Any,
+             cpu_cache_compute: Any, no_overlap: Any, compress_weight: Any, compress_cache: Any, gpu_mem: Any,
+             cpu_mem: Any, disk_mem: Any, offload_dir: Any, hardware: Any) -> None:
+    """Train a LoRA adapter (a PEFT folder) while the base model streams through the tiers."""
+    from flexoff.api import LLM
+    from flexoff.finetune.run import DEFAULT_TARGETS, LoraSpec, finetune as run_finetune
+    from flexoff.finetune.trainer import TrainConfig
+
+    policy = build_policy(policy_arg, percent, gpu_batch_size, num_gpu_batches, cpu_cache_compute,
+                          no_overlap, compress_weight, compress_cache)
+    validate.output_folder(output, "--output")
+    cfg = TrainConfig(lr=lr, batch_size=batch_size, max_grad_norm=max_grad_norm if max_grad_norm > 0 else None,
+                      warmup=warmup, schedule=schedule)
+    targets = tuple(t.strip() for t in lora_targets.split(",")) if lora_targets else DEFAULT_TARGETS
+    with LLM(model, policy=policy, device=device, dtype=dtype, offload_dir=offload_dir, gpu_mem=gpu_mem,
+             cpu_mem=cpu_mem, disk_mem=disk_mem, progress=False) as llm:
+        losses = run_finetune(llm, data_path, output, lora=LoraSpec(lora_r, lora_alpha, targets),
+                              init_adapter=init_adapter, steps=steps, epochs=epochs, cfg=cfg,
+                              max_seq_len=max_seq_len, seed=seed, progress=not quiet)
+    click.echo(f"{len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}; adapter in {output}", err=True)
+
+
+@cli.command()
+@click.option("--model", default=None, help="As for `flexoff run`.")
 @click.option("--text", "text_path", required=True, type=click.Path(dir_okay=False), help="A UTF-8 text file.")
 @click.option("--max-tokens", type=click.IntRange(min=2), default=None, help="Score only the first N tokens.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto")

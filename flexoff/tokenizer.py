@@ -18,7 +18,7 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: Sequence[int]) -> str: ...
-    def chat(self, messages: list[dict[str, str]]) -> list[int]: ...
+    def chat(self, messages: list[dict[str, str]], generation_prompt: bool = True) -> list[int]: ...
 
 
 class HFTokenizer:
@@ -47,10 +47,12 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)
 
-    def chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat(self, messages: list[dict[str, str]], generation_prompt: bool = True) -> list[int]:
+        """The chat through the model's template, ending with the assistant's prompt (for
+        generating) or not (for training on the chat as it is)."""
         if not getattr(self.tok, "chat_template", None):
             raise InputError("this model's tokenizer has no chat template; send a plain 'prompt' instead")
-        out = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        out = self.tok.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
         if hasattr(out, "keys"):
             out = out["input_ids"]
         return list(out)
@@ -73,6 +75,6 @@ class ByteTokenizer:
         data = bytes(i - self.OFFSET for i in ids if self.OFFSET <= i < 256 + self.OFFSET)
         return data.decode("utf-8", errors="replace")
 
-    def chat(self, messages: list[dict[str, str]]) -> list[int]:
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+    def chat(self, messages: list[dict[str, str]], generation_prompt: bool = True) -> list[int]:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + ("assistant: " if generation_prompt else "")
         return self.encode(text)

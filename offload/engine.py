@@ -83,6 +83,7 @@ class Engine:
         self.plan: MemoryPlan = plan_memory(spec, layouts, codec.rec_bytes, policy, max_prompt, max_gen,
                                             dtype, device.type == "cuda", training, adapter_bytes)
         self.adapter_bytes = adapter_bytes  # LoRA adapters the caller keeps on the compute device
+        self.training = training  # made for training sweeps (a stash)
         if moving:  # an older store's layers (their splits) move in: each stays until it has moved
             self.plan.add("weights being moved", move_overhead(moving, plan_weights(layouts, policy)))
         # before anything is allocated; `credit` is memory already held that the plan counts

@@ -40,7 +40,8 @@ class Residency:
         self.weights: WeightStore | None = None  # the store the current engine uses
 
     def engine(self, policy: Policy, fmt: WeightFormat, codec: KVCodec, max_prompt: int, max_gen: int,
-               read: ReadLayer, read_device: torch.device, progress: bool = False, adapter_bytes: int = 0) -> Engine:
+               read: ReadLayer, read_device: torch.device, progress: bool = False, adapter_bytes: int = 0,
+               training: bool = False) -> Engine:
         """A new engine for the policy, its weights kept, moved or read (through `read`, onto
         `read_device`, then placed)."""
         if self.tiers is None:
@@ -59,7 +60,7 @@ class Residency:
                           max_gen=max_gen, offload_dir=self.offload_dir, budgets=self.budgets, weight_format=fmt,
                           kv_codec=codec, tiers=self.tiers, weights=old if reuse else None,
                           credit=self._credit(old), moving=old.splits if old is not None and not reuse else None,
-                          adapter_bytes=adapter_bytes)
+                          adapter_bytes=adapter_bytes, training=training)
         try:
             engine = build(old)
         except MemoryBudgetError:

@@ -1,0 +1,109 @@
+"""A finetuning run: a new or given LoRA adapter trained on a JSONL file for some steps.
+
+Knows: making a fresh adapter folder as PEFT initialises one (A Kaiming-uniform, B zero; its
+adapter_config.json in PEFT's format), the data order (shuffled by the seed, epoch by epoch),
+the progress bar (loss, tokens/s), the metrics file beside the adapter (one JSON line per step:
+step, loss, lr, tokens, seconds), and writing the adapter at the end.
+Does not know: the step's math (flexoff.finetune.trainer); checkpoints and resumption are
+still to come.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from tqdm import tqdm
+
+from flexoff.errors import InputError
+from flexoff.finetune.data import read_examples
+from flexoff.finetune.trainer import LoraTrainer, TrainConfig
+
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "out_proj", "gate_proj", "up_proj", "down_proj",
+                   "fc1", "fc2")
+
+
+@dataclass
+class LoraSpec:
+    r: int = 16
+    alpha: float = 32
+    targets: Sequence[str] = DEFAULT_TARGETS  # module names (the last part), as PEFT's target_modules
+
+
+def new_adapter(spec: Any, lora: LoraSpec, folder: Path, seed: int) -> None:
+    """A fresh PEFT LoRA folder for this model: A as nn.Linear initialises a weight (Kaiming
+    uniform, a = sqrt(5)), B zero, so training starts from the base model."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    tensors, targets = {}, set()
+    for layer in spec.layers:
+        if layer.kind not in ("attn", "mlp"):
+            continue
+        for t in layer.tensors:
+            module = t.hf_names[0][:-len(".weight")]
+            if not t.matmul or module.rsplit(".", 1)[-1] not in lora.targets:
+                continue
+            targets.add(module.rsplit(".", 1)[-1])
+            out_f, in_f = t.shape
+            bound = 1 / math.sqrt(in_f)  # kaiming_uniform_(a=sqrt(5)) on (r, in)
+            tensors[f"base_model.model.{module}.lora_A.weight"] = (torch.rand(lora.r, in_f, generator=g) * 2 - 1) * bound
+            tensors[f"base_model.model.{module}.lora_B.weight"] = torch.zeros(out_f, lora.r)
+    if not tensors:
+        raise InputError(f"--lora-targets {','.join(lora.targets)} names no linear layer of this model")
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    cfg = {"peft_type": "LORA", "r": lora.r, "lora_alpha": lora.alpha, "target_modules": sorted(targets),
+           "lora_dropout": 0.0, "bias": "none", "use_rslora": False, "fan_in_fan_out": False, "task_type": "CAUSAL_LM",
+           "inference_mode": True}
+    (folder / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
+
+
+def finetune(llm: Any, data: str, output: str, *, lora: LoraSpec | None = None, init_adapter: str | None = None,
+             steps: int | None = None, epochs: float | None = None, cfg: TrainConfig = TrainConfig(),
+             max_seq_len: int = 1024, seed: int = 0, progress: bool = True) -> list[float]:
+    """Train a LoRA adapter of llm's model on a JSONL file; the PEFT folder lands in `output`.
+    Returns the loss of every step."""
+    examples = read_examples(data, llm.tokenizer, min(max_seq_len, llm.model.spec.max_positions))
+    per_epoch = math.ceil(len(examples) / cfg.batch_size)
+    total = steps if steps is not None else max(1, round((epochs or 1.0) * per_epoch))
+    cfg = TrainConfig(**{**cfg.__dict__, "steps": total})
+    out = Path(output)
+    if init_adapter is None:
+        init_dir = Path(tempfile.mkdtemp(prefix="flexoff-lora-"))
+        new_adapter(llm.model.spec, lora or LoraSpec(), init_dir, seed)
+        init_adapter = str(init_dir)
+    llm.load_lora("__training__", init_adapter)
+    trainer = LoraTrainer(llm, "__training__", cfg)
+    rng = random.Random(seed)
+    order: list[int] = []
+    losses = []
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "metrics.jsonl", "a", encoding="utf-8") as metrics, \
+            tqdm(total=total, desc="finetuning", unit="step", disable=not progress) as bar:
+        for step in range(total):
+            while len(order) < cfg.batch_size:  # epochs of the data, each in a new shuffled order
+                epoch = list(range(len(examples)))
+                rng.shuffle(epoch)
+                order += epoch
+            batch = [examples[i] for i in order[:cfg.batch_size]]
+            del order[:cfg.batch_size]
+            t0 = time.perf_counter()
+            lr = trainer.opt.param_groups[0]["lr"]
+            loss = trainer.step(batch)
+            dt = time.perf_counter() - t0
+            tokens = sum(len(e.ids) for e in batch)
+            losses.append(loss)
+            metrics.write(json.dumps({"step": step + 1, "loss": loss, "lr": lr, "tokens": tokens, "seconds": dt}) + "\n")
+            metrics.flush()
+            bar.update(1)
+            bar.set_postfix_str(f"loss {loss:.4f}, {tokens / dt:.0f} tok/s")
+    trainer.save(str(out))
+    return losses

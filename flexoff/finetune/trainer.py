@@ -1,0 +1,153 @@
+"""LoRA training steps through the engine: AdamW on one adapter's A and B, the base frozen and
+streamed through the tiers by the engine's forward and reverse sweeps.
+
+Knows: the adapter's parameters in float32 (the master copy; the engine's adapter pool holds
+them in the compute dtype and is refreshed after every step), a step over a batch of examples
+(left-padded rows, next-token labels where the example's loss mask says, the loss averaged over
+the step's labelled tokens, split into as many engine blocks as the batch needs, each block's
+gradients weighted by its share of the tokens), gradient clipping by global norm, AdamW with a
+linear warm-up and a constant, linear or cosine schedule, and saving the adapter as a PEFT
+folder that `peft.PeftModel.from_pretrained` loads.
+Does not know: where examples come from (flexoff.finetune.data), checkpoints of a whole run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from flexoff.errors import InputError
+from flexoff.finetune.data import Example
+from flexoff.generation import pad_left
+from flexoff.offload.block import IGNORE, BatchInput
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    lr: float = 2e-4
+    batch_size: int = 8  # examples per step
+    max_grad_norm: float | None = 1.0  # clip the adapter's gradient to this global norm (None: no clipping)
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    warmup: int = 0  # steps of linear warm-up
+    schedule: str = "constant"  # after warm-up: constant, linear or cosine (to 0 at `steps`)
+    steps: int = 0  # the run's length, for the linear and cosine schedules
+
+    def __post_init__(self) -> None:
+        if self.schedule not in ("constant", "linear", "cosine"):
+            raise InputError(f"schedule must be constant, linear or cosine, got {self.schedule!r}")
+        if not self.lr > 0 or self.batch_size < 1 or self.warmup < 0:
+            raise InputError("lr must be > 0, batch_size >= 1 and warmup >= 0")
+
+
+def lr_factor(cfg: TrainConfig, step: int) -> float:
+    """The learning rate's factor at a step (counted from 0)."""
+    if step < cfg.warmup:
+        return (step + 1) / cfg.warmup
+    if cfg.schedule == "constant" or cfg.steps <= cfg.warmup:
+        return 1.0
+    done = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+    return 1.0 - done if cfg.schedule == "linear" else 0.5 * (1 + math.cos(math.pi * done))
+
+
+def batch_input(examples: Sequence[Example], adapter: str, length: int | None = None) -> BatchInput:
+    """Rows left-padded to `length` (default: the longest) with next-token labels where the loss
+    mask says, all on one adapter."""
+    S = length or max(len(e.ids) for e in examples)
+    inp = pad_left([e.ids for e in examples], S)
+    labels = torch.full_like(inp.ids, IGNORE)
+    for r, e in enumerate(examples):
+        start = S - len(e.ids)
+        for t in range(len(e.ids) - 1):
+            if e.loss[t + 1]:
+                labels[r, start + t] = e.ids[t + 1]
+    inp.labels, inp.adapters = labels, [adapter] * len(examples)
+    return inp
+
+
+class LoraTrainer:
+    """Trains the loaded adapter `name` of an LLM in place."""
+
+    def __init__(self, llm: Any, name: str, cfg: TrainConfig):
+        if name not in llm.adapters:
+            raise InputError(f"no adapter {name!r} is loaded to train")
+        self.llm, self.name, self.cfg = llm, name, cfg
+        self.adapter = llm.adapters[name]
+        self.params: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        for key, m in sorted(self.adapter.modules.items()):
+            m.A, m.B = m.A.detach().clone().requires_grad_(True), m.B.detach().clone().requires_grad_(True)
+            self.params[key] = (m.A, m.B)
+        flat = [t for ab in self.params.values() for t in ab]
+        self.opt = torch.optim.AdamW(flat, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(cfg, s))
+        self.steps_done = 0
+
+    def step(self, examples: Sequence[Example]) -> float:
+        """One optimizer step on these examples; the step's mean loss before the update."""
+        llm, pool_index = self.llm, None
+        max_len = max(len(e.ids) for e in examples)
+        policy = llm.choose_policy_for_training(len(examples))
+        engine = llm.engine_for(policy, max_len, 1, training=True)
+        engine.adapters = pool = llm.adapter_pool()
+        pool_index = pool.index[self.name]
+        gbs, per_block = policy.gpu_batch_size, policy.block_size
+        tokens = sum(sum(e.loss[1:]) for e in examples)
+        loss = 0.0
+        grads = {key: [torch.zeros_like(a), torch.zeros_like(b)] for key, (a, b) in self.params.items()}
+        for b0 in range(0, len(examples), per_block):
+            chunk = examples[b0:b0 + per_block]
+            S = max(len(e.ids) for e in chunk)  # one padded length for the block's GPU batches
+            batches = [batch_input(chunk[i:i + gbs], self.name, S) for i in range(0, len(chunk), gbs)]
+            res = engine.run_train(batches)
+            share = res.tokens / tokens  # this block's losses were averaged over its own tokens
+            loss += res.loss * share
+            for key, (gA, gBt) in res.lora_grads.items():
+                if key in grads:
+                    p = pool.packs[key]
+                    o, r = int(p.offset[pool_index]), p.ranks[pool_index]
+                    grads[key][0] += gA[o:o + r].float().cpu() * share
+                    grads[key][1] += gBt[o:o + r].t().float().cpu() * share
+        for key, (a, b) in self.params.items():
+            a.grad, b.grad = grads[key]
+        if self.cfg.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_([t for ab in self.params.values() for t in ab], self.cfg.max_grad_norm)
+        self.opt.step()
+        self.sched.step()
+        self.opt.zero_grad(set_to_none=True)
+        self._refresh(pool, pool_index)
+        self.steps_done += 1
+        return loss
+
+    def _refresh(self, pool: Any, i: int) -> None:
+        """The pool's copy of the adapter, from the master weights."""
+        with torch.no_grad():
+            for key, (a, b) in self.params.items():
+                p = pool.packs[key]
+                o, r = int(p.offset[i]), p.ranks[i]
+                p.A[o:o + r] = a.to(p.A.dtype)
+                p.Bt[o:o + r] = b.t().to(p.Bt.dtype)
+
+    def save(self, folder: str, base_config: dict[str, Any] | None = None) -> None:
+        """The adapter as a PEFT folder (adapter_config.json, adapter_model.safetensors)."""
+        from safetensors.torch import save_file
+
+        out = Path(folder)
+        out.mkdir(parents=True, exist_ok=True)
+        spec = self.llm.model.spec
+        tensors = {}
+        for (j, tname), (a, b) in self.params.items():
+            module = next(t.hf_names[0] for t in spec.layers[j].tensors if t.name == tname)[:-len(".weight")]
+            tensors[f"base_model.model.{module}.lora_A.weight"] = a.detach().float().contiguous()
+            tensors[f"base_model.model.{module}.lora_B.weight"] = b.detach().float().contiguous()
+        cfg = dict(base_config or json.loads((Path(self.adapter.path) / "adapter_config.json").read_text()))
+        cfg["inference_mode"] = True
+        tmp = out / "adapter_model.safetensors.tmp"
+        save_file(tensors, str(tmp))
+        tmp.replace(out / "adapter_model.safetensors")
+        (out / "adapter_config.json").write_text(json.dumps(cfg, indent=2))

@@ -1,0 +1,46 @@
+"""`flexoff finetune` end to end on SmolLM2: the three data shapes, the loss falls, metrics are
+written, the PEFT folder loads in PEFT, and `flexoff run --lora` serves it with PEFT's outputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from flexoff.cli import main
+
+peft = pytest.importorskip("peft")
+
+
+def test_finetune_on_smollm2_then_serve(tmp_path, capsys, smol_hf):
+    from peft import PeftModel
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(json.dumps(d) for d in [
+        {"text": "The capital of Zorblandia is Quexville."},
+        {"prompt": "Q: What is the capital of Zorblandia?\nA:", "completion": " Quexville."},
+        {"messages": [{"role": "user", "content": "Capital of Zorblandia?"},
+                      {"role": "assistant", "content": "Quexville."}]}]) + "\n")
+    out = tmp_path / "adapter"
+    assert main(["finetune", "--data", str(data), "--output", str(out), "--steps", "6", "--batch-size", "3",
+                 "--lr", "3e-3", "--lora-r", "8", "--lora-targets", "q_proj,v_proj,down_proj", "-q"]) == 0
+    metrics = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(1, 7))
+    assert metrics[-1]["loss"] < 0.5 * metrics[0]["loss"]  # it learns
+    capsys.readouterr()
+    prompt = "Q: What is the capital of Zorblandia?\nA:"
+    inp, res = tmp_path / "p.jsonl", tmp_path / "o.jsonl"
+    inp.write_text(json.dumps({"prompt": prompt, "adapter": "z", "max_new_tokens": 4}) + "\n")
+    assert main(["run", "--input", str(inp), "--output", str(res), "-q", "--lora", f"z={out}"]) == 0
+    got = json.loads(res.read_text())["completion"]
+    model = PeftModel.from_pretrained(smol_hf, str(out)).eval()  # the saved folder, read by PEFT itself
+    from flexoff import LLM
+
+    with LLM("smollm2") as llm:
+        ids = llm.tokenizer.encode(prompt)
+    with torch.no_grad():
+        want = model.generate(torch.tensor([ids]), max_new_tokens=4, do_sample=False, pad_token_id=0)[0, len(ids):]
+    model.unload()  # the session's reference model, as it was
+    assert got == llm.tokenizer.decode(want.tolist())
+    assert "Quex" in got

@@ -1,0 +1,108 @@
+"""LoRA finetuning through the engine against PEFT + torch.optim.AdamW on the same batches: losses
+equal step by step (a step in one engine block, or split over two with the weights in CPU
+memory), and the saved folder loads in PEFT with the same outputs; loss masks of the three data
+shapes against hand-made ones."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from flexoff import LLM, Policy
+from flexoff.errors import InputError
+from flexoff.finetune import LoraTrainer, TrainConfig, to_example
+from flexoff.finetune.trainer import batch_input
+from flexoff.offload.block import IGNORE
+
+peft = pytest.importorskip("peft")
+
+TEXTS = ["the quick brown fox", "jumps over the lazy dog", "a b c d e f g", "hello world, hello",
+         "lorem ipsum dolor", "sit amet consectetur"]
+
+
+def peft_losses(path, init, batches, cfg: TrainConfig, steps: int):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path).float(), init, is_trainable=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    losses = []
+    for s in range(steps):
+        inp = batches[s % len(batches)]
+        mask = inp.valid.long()
+        logits = model(input_ids=inp.ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), inp.labels.flatten(), ignore_index=IGNORE)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses, model
+
+
+@pytest.mark.parametrize("policy", [Policy(gpu_batch_size=2, num_gpu_batches=2),
+                                    Policy(gpu_batch_size=2, w_gpu_percent=0, w_cpu_percent=100)],
+                         ids=["one-block", "two-blocks-offloaded"])
+def test_adamw_steps_equal_peft_step_by_step(tiny, tmp_path, policy):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    path = tiny["llama"].path
+    torch.manual_seed(0)
+    init = tmp_path / "init"  # PEFT's own initialisation: A random, B zero
+    get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(r=4, lora_alpha=8, target_modules=[
+        "q_proj", "v_proj", "down_proj"])).save_pretrained(init)
+    cfg = TrainConfig(lr=5e-3, batch_size=4, max_grad_norm=0.5)
+    steps = 12
+    with LLM(str(path), policy=policy, lora={"mine": str(init)}) as llm:
+        ex = [to_example({"text": t}, llm.tokenizer, "t", 64) for t in TEXTS]
+        groups = [ex[0:4], ex[2:6]]
+        trainer = LoraTrainer(llm, "mine", cfg)
+        ours = [trainer.step(groups[s % 2]) for s in range(steps)]
+        trainer.save(str(tmp_path / "out"))
+        prompts = [{"prompt_ids": e.ids, "adapter": "mine"} for e in ex[:3]]
+        lps = [c.prompt_logprobs for c in llm.generate(prompts, max_new_tokens=0, prompt_logprobs=True).completions]
+    want, model = peft_losses(path, str(init), [batch_input(g, "mine") for g in groups], cfg, steps)
+    assert ours[0] > ours[-1] + 0.1  # it learns
+    for a, b in zip(ours, want):
+        assert abs(a - b) < 1e-4 * abs(b), (ours, want)
+    from peft import PeftModel
+
+    saved = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path).float(), str(tmp_path / "out")).eval()
+    with torch.no_grad():
+        for e, lp in zip(ex[:3], lps):
+            ref = saved(torch.tensor([e.ids])).logits[0, :-1].log_softmax(-1)
+            ref = ref.gather(1, torch.tensor(e.ids[1:])[:, None])[:, 0]
+            assert torch.allclose(torch.tensor(lp), ref, atol=1e-4)
+    trained = dict(model.named_parameters())
+    mine = dict(saved.named_parameters())
+    for name, p in mine.items():  # Adam normalizes each step: near-zero gradients' float noise moves
+        if "lora_" in name:        # single elements by up to lr, so compare whole tensors
+            assert float((p - trained[name]).norm() / trained[name].norm()) < 1e-2, name
+
+
+def test_loss_masks_of_the_three_shapes(tiny, tmp_path):
+    from flexoff.tokenizer import ByteTokenizer
+
+    tok = ByteTokenizer(512)
+    text = to_example({"text": "abcd"}, tok, "x", 99)
+    assert text.ids == tok.encode("abcd") and text.loss == [False] + [True] * (len(text.ids) - 1)
+    pc = to_example({"prompt": "ab", "completion": "cd"}, tok, "x", 99)
+    n = len(tok.encode("ab"))
+    assert pc.ids == tok.encode("abcd") and pc.loss == [False] * n + [True] * (len(pc.ids) - n)
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+            {"role": "user", "content": "ok"}, {"role": "assistant", "content": "k"}]
+    chat = to_example({"messages": msgs}, tok, "x", 999)
+    cuts = [len(tok.chat(msgs[:i], generation_prompt=False)) if i else 1 for i in range(5)]  # 1: the BOS
+    want = [False] * len(chat.ids)
+    for i in (1, 3):  # the assistant turns' tokens
+        want[cuts[i]:cuts[i + 1]] = [True] * (cuts[i + 1] - cuts[i])
+    assert chat.ids == tok.chat(msgs, generation_prompt=False) and chat.loss == want
+    for bad in ({"text": ""}, {"prompt": "a"}, {"messages": [{"role": "user", "content": "x"}]}, {"txt": "a"}, [1]):
+        with pytest.raises(InputError):
+            to_example(bad, tok, "f line 1", 99)
+    row = batch_input([pc], "a")
+    assert row.labels[0].tolist() == [IGNORE] * (n - 1) + pc.ids[n:] + [IGNORE]
