@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -76,10 +77,20 @@ def finetune(llm: Any, data: str, output: str, *, lora: LoraSpec | None = None, 
     total = steps if steps is not None else max(1, round((epochs or 1.0) * per_epoch))
     cfg = TrainConfig(**{**cfg.__dict__, "steps": total})
     out = Path(output)
-    if init_adapter is None:
-        init_dir = Path(tempfile.mkdtemp(prefix="flexoff-lora-"))
-        new_adapter(llm.model.spec, lora or LoraSpec(), init_dir, seed)
-        init_adapter = str(init_dir)
+    made = None
+    if init_adapter is None:  # a fresh adapter, in a folder kept until the result is saved
+        made = Path(tempfile.mkdtemp(prefix="flexoff-lora-"))
+        new_adapter(llm.model.spec, lora or LoraSpec(), made, seed)
+        init_adapter = str(made)
+    try:
+        return _train(llm, examples, init_adapter, out, cfg, total, seed, progress)
+    finally:
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
+
+
+def _train(llm: Any, examples: list[Any], init_adapter: str, out: Path, cfg: TrainConfig, total: int, seed: int,
+           progress: bool) -> list[float]:
     llm.load_lora("__training__", init_adapter)
     trainer = LoraTrainer(llm, "__training__", cfg)
     rng = random.Random(seed)
