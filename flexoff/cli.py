@@ -218,14 +218,16 @@ def run(model: str | None, input_path: str, output_path: str, max_new_tokens: in
 @click.option("--schedule", type=click.Choice(["constant", "linear", "cosine"]), default="cosine", show_default=True)
 @click.option("--max-grad-norm", type=float, default=1.0, show_default=True)
 @click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--save-every", type=click.IntRange(min=1), default=10, show_default=True,
+              help="Steps between checkpoints (a rerun of the same command continues from the last).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto")
 @click.option("--device", default="auto")
 @click.option("--quiet", "-q", is_flag=True)
 @policy_options
 def finetune(model: str | None, data_path: str, output: str, lora_r: int, lora_alpha: float, lora_targets: str | None,
              init_adapter: str | None, steps: int | None, epochs: float | None, lr: float, batch_size: int,
-             max_seq_len: int, warmup: int, schedule: str, max_grad_norm: float, seed: int, dtype: str, device: str,
-             quiet: bool, policy_arg: Any, percent: Any, gpu_batch_size: Any, num_gpu_batches: Any,
+             max_seq_len: int, warmup: int, schedule: str, max_grad_norm: float, seed: int, save_every: int,
+             dtype: str, device: str, quiet: bool, policy_arg: Any, percent: Any, gpu_batch_size: Any, num_gpu_batches: Any,
              cpu_cache_compute: Any, no_overlap: Any, compress_weight: Any, compress_cache: Any, gpu_mem: Any,
              cpu_mem: Any, disk_mem: Any, offload_dir: Any, hardware: Any) -> None:
     """Train a LoRA adapter (a PEFT folder) while the base model streams through the tiers."""
@@ -243,7 +245,7 @@ def finetune(model: str | None, data_path: str, output: str, lora_r: int, lora_a
              cpu_mem=cpu_mem, disk_mem=disk_mem, progress=False) as llm:
         losses = run_finetune(llm, data_path, output, lora=LoraSpec(lora_r, lora_alpha, targets),
                               init_adapter=init_adapter, steps=steps, epochs=epochs, cfg=cfg,
-                              max_seq_len=max_seq_len, seed=seed, progress=not quiet)
+                              max_seq_len=max_seq_len, seed=seed, progress=not quiet, save_every=save_every)
     click.echo(f"{len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}; adapter in {output}", err=True)
 
 

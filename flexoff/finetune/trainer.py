@@ -124,6 +124,24 @@ class LoraTrainer:
         self.steps_done += 1
         return loss
 
+    def state(self) -> dict[str, Any]:
+        """Everything a later run needs to continue: the adapter, the optimizer and the schedule."""
+        params = {f"{j}:{n}": (a.detach().clone(), b.detach().clone()) for (j, n), (a, b) in self.params.items()}
+        return {"params": params, "opt": self.opt.state_dict(), "sched": self.sched.state_dict(),
+                "steps": self.steps_done}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for (j, n), (a, b) in self.params.items():
+                sa, sb = state["params"][f"{j}:{n}"]
+                a.copy_(sa)
+                b.copy_(sb)
+        self.opt.load_state_dict(state["opt"])
+        self.sched.load_state_dict(state["sched"])
+        self.steps_done = state["steps"]
+        pool = self.llm.adapter_pool()
+        self._refresh(pool, pool.index[self.name])
+
     def _refresh(self, pool: Any, i: int) -> None:
         """The pool's copy of the adapter, from the master weights."""
         with torch.no_grad():

@@ -44,3 +44,41 @@ def test_finetune_on_smollm2_then_serve(tmp_path, capsys, smol_hf):
     model.unload()  # the session's reference model, as it was
     assert got == llm.tokenizer.decode(want.tolist())
     assert "Quex" in got
+
+
+def test_a_killed_finetune_resumes_to_the_uninterrupted_adapter(tmp_path):
+    """A real `flexoff finetune` process killed with SIGKILL mid-run and started again ends with the
+    same adapter, bit for bit, as a run that was never interrupted; a checkpoint of other settings
+    is refused."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from safetensors.torch import load_file
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": f"example {i}: " + "ab" * (i % 5 + 3)}) + "\n" for i in range(9)))
+
+    def cmd(out):
+        return [sys.executable, "-m", "flexoff.cli", "finetune", "--model", "dummy:llama-tiny", "--data", str(data),
+                "--output", str(out), "--steps", "40", "--batch-size", "3", "--lr", "1e-2", "--lora-r", "4",
+                "--save-every", "3", "--seed", "5", "-q"]
+
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    subprocess.run(cmd(whole), check=True, cwd=tmp_path)
+    proc = subprocess.Popen(cmd(killed), cwd=tmp_path)
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((killed / "metrics.jsonl").exists()
+                                          and (killed / "metrics.jsonl").read_text().count("\n") >= 8):
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "adapter_model.safetensors").exists()  # it really stopped mid-run
+    subprocess.run(cmd(killed), check=True, cwd=tmp_path)
+    a, b = load_file(str(whole / "adapter_model.safetensors")), load_file(str(killed / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    lines = [json.loads(l) for l in (killed / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == list(range(1, 41))
+    other = subprocess.run(cmd(killed)[:-3] + ["--seed", "6", "-q"], cwd=tmp_path, capture_output=True, text=True)
+    assert other.returncode == 2 and "checkpoint of another run" in other.stderr
