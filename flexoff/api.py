@@ -180,13 +180,13 @@ class LLM:
 
     def adapter_bytes(self) -> int:
         """GPU bytes of the loaded adapters in the compute dtype (the engine's plan counts them)."""
-        return sum(a.nbytes // 4 for a in self.adapters.values()) * self.dtype.itemsize
+        return sum(a.numel for a in self.adapters.values()) * self.dtype.itemsize
 
     def lora_ranks(self) -> tuple[float, ...]:
         """Each loaded adapter as the cost model sees it: the rank that on every linear layer
         would hold as many values."""
         per_rank = sum(self.model.spec.lora_width(j) for j in range(len(self.model.spec.layers)))
-        return tuple(a.nbytes / 4 / per_rank for a in self.adapters.values())
+        return tuple(a.numel / per_rank for a in self.adapters.values())
 
     def adapter_pool(self) -> AdapterPool | None:
         """The loaded adapters on the compute device (made again when the set changes)."""

@@ -46,8 +46,9 @@ class Adapter:
     modules: dict[tuple[int, str], LoraModule]  # (engine layer, tensor name such as "q_proj.weight") -> LoRA
 
     @property
-    def nbytes(self) -> int:
-        return sum(m.A.numel() * m.A.element_size() + m.B.numel() * m.B.element_size() for m in self.modules.values())
+    def numel(self) -> int:
+        """Values the adapter holds (A and B of every module), whatever dtype they are kept in."""
+        return sum(m.A.numel() + m.B.numel() for m in self.modules.values())
 
 
 def _pattern_value(patterns: Mapping[str, Any], module: str, default: Any) -> Any:

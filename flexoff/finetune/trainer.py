@@ -90,7 +90,7 @@ class LoraTrainer:
 
     def step(self, examples: Sequence[Example]) -> float:
         """One optimizer step on these examples; the step's mean loss before the update."""
-        llm, pool_index = self.llm, None
+        llm = self.llm
         max_len = max(len(e.ids) for e in examples)
         policy = llm.choose_policy_for_training(len(examples))
         engine = llm.engine_for(policy, max_len, 1, training=True)
