@@ -22,9 +22,10 @@ def _module_device(device_map: dict[str, Any], name: str) -> Any:
     return device_map[best]
 
 
-def accelerate_run(model_name: str, prompt_len: int, gen_len: int, batch: int, gpu_mem: int | None,
-                   cpu_mem: int | None, dtype: torch.dtype, seed: int = 0) -> dict[str, Any]:
-    """Generate gen_len tokens for `batch` random prompts with transformers + Accelerate.
+def hf_model(model_name: str, prompt_len: int, gen_len: int, batch: int, gpu_mem: int | None,
+             cpu_mem: int | None, dtype: torch.dtype) -> tuple[Any, dict[str, Any], float, Any]:
+    """A transformers model holding flexoff's dummy weights, placed by Accelerate within the
+    budgets: the model, its device map, the seconds setting it up took, and flexoff's spec.
 
     The GPU budget holds Accelerate's resident layers and the KV cache of the batch; weights are
     given what is left after the cache and working memory that flexoff's model spec estimates."""
@@ -65,7 +66,15 @@ def accelerate_run(model_name: str, prompt_len: int, gen_len: int, batch: int, g
         if buf.is_meta:
             raise RuntimeError(f"buffer {name} was not materialized")
     model = dispatch_model(model, device_map=device_map, main_device=0 if cuda else "cpu")
-    setup_s = time.perf_counter() - t0
+    return model, device_map, time.perf_counter() - t0, spec
+
+
+def accelerate_run(model_name: str, prompt_len: int, gen_len: int, batch: int, gpu_mem: int | None,
+                   cpu_mem: int | None, dtype: torch.dtype, seed: int = 0) -> dict[str, Any]:
+    """Generate gen_len tokens for `batch` random prompts with transformers + Accelerate."""
+    model, device_map, setup_s, spec = hf_model(model_name, prompt_len, gen_len, batch, gpu_mem, cpu_mem, dtype)
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, spec.vocab_size, (batch, prompt_len), generator=g).to(dev)
     with torch.no_grad():

@@ -24,6 +24,9 @@
 #   PHASE=R bash benchmarks/device_measure.sh OUT   # GPU tests; GPU-resident llama-7b at batch 8, 32, 128:
 #                                                   # lean path with and without graphs, the scheduled
 #                                                   # loop, transformers generate; OPT-30B 16x3 on CPU
+#   PHASE=L bash benchmarks/device_measure.sh OUT   # GPU tests; batched LoRA (1000-adapter population on
+#                                                   # resident llama-7b, PEFT mixed adapters, the kernels);
+#                                                   # finetuning llama-7b against PEFT training
 #   PHASE=E bash benchmarks/device_measure.sh OUT   # GPU tests; CPU-attention shapes; timelines of a
 #                                                   # CPU-attention and the compressed policy
 # Predictions use benchmarks/data/h200-measured.json (flexoff profile on the device, with CPU attention
@@ -137,6 +140,12 @@ PY
      echo "=== opt-30b 16x3, weights and cache on CPU ($(date +%T))"
      timeout 130 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW \
        --policy "16x3:0,100,0,100,100,0:a" --out "$OUT/cpu" 2>&1 | grep -v "^\s*$" | grep -v "^---" | tail -4 ;;
+  L) echo "=== gpu tests ($(date +%T))"
+     timeout 200 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
+     echo "=== lora ($(date +%T))"
+     timeout ${LORA_S:-260} python3 benchmarks/lora.py --out "$OUT/lora.jsonl" 2>&1 | grep -v "^\s*$" | tail -24
+     echo "=== finetune ($(date +%T))"
+     timeout ${TRAIN_S:-120} python3 benchmarks/finetune.py --out "$OUT/finetune.jsonl" 2>&1 | grep -v "^\s*$" | tail -6 ;;
   E) echo "=== gpu tests ($(date +%T))"
      timeout 180 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
      echo "=== opt-30b, weights and cache on CPU ($(date +%T))"

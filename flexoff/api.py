@@ -11,7 +11,7 @@ Does not know: files and resumption (flexoff.jobs), the schedule (offload/).
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
@@ -23,7 +23,7 @@ from flexoff.checkpoint import LoadedModel, load_model
 from flexoff.errors import FlexoffError, GpuOutOfMemoryError, InputError
 from flexoff.generation import Completion, Request, RunStats, plan_blocks, run_block
 from flexoff.offload.engine import Engine
-from flexoff.offload.adapters import AdapterPool
+from flexoff.offload.adapters import AdapterPool, Need
 from flexoff.offload.residency import Residency
 from flexoff.offload.tiers import Budgets
 from flexoff.policy.policy import Policy
@@ -166,6 +166,7 @@ class LLM:
         self.allow_pickle = allow_pickle
         self.adapters: dict[str, Adapter] = {}  # LoRA adapters by name
         self._pool: tuple[tuple[str, ...], AdapterPool] | None = None
+        self._job: Sequence[Request] = ()  # the requests being run (for --policy auto and the adapters' room)
         for name, path in (lora or {}).items():
             self.load_lora(name, path)
         if default_adapter is not None and default_adapter not in self.adapters:
@@ -178,18 +179,36 @@ class LLM:
             raise InputError(f"adapter name {name!r}: give a non-empty name without '='")
         self.adapters[name] = load_adapter(name, path, self.model.spec, self.allow_pickle)
 
-    def adapter_bytes(self) -> int:
-        """GPU bytes of the loaded adapters in the compute dtype (the engine's plan counts them)."""
-        return sum(a.numel for a in self.adapters.values()) * self.dtype.itemsize
+    def add_adapter(self, adapter: Adapter) -> None:
+        """Serve an adapter made in memory (flexoff.adapters.Adapter, keyed by this model's layers
+        and tensor names), as load_lora serves a folder."""
+        if not adapter.name or "=" in adapter.name:
+            raise InputError(f"adapter name {adapter.name!r}: give a non-empty name without '='")
+        self.adapters[adapter.name] = adapter
+
+    def adapter_need(self, block_size: int, requests: Sequence[Request] | None = None) -> Need:
+        """The device room the LoRA adapters of a job's blocks need (the job: `requests`, or the
+        one being run)."""
+        reqs = self._job if requests is None else requests
+        pool = self.adapter_pool()
+        if pool is None or not any(r.adapter for r in reqs):
+            return Need()
+        return pool.need([r.adapter for r in b] for b in plan_blocks(reqs, block_size))
+
+    def adapter_host_bytes(self) -> int:
+        """Host bytes of the loaded adapters in the compute dtype (the engine's plan counts them)."""
+        pool = self.adapter_pool()
+        return pool.host_bytes() if pool is not None else 0
 
     def lora_ranks(self) -> tuple[float, ...]:
-        """Each loaded adapter as the cost model sees it: the rank that on every linear layer
-        would hold as many values."""
+        """Each adapter the job uses (every loaded one, outside a job) as the cost model sees it:
+        the rank that on every linear layer would hold as many values."""
         per_rank = sum(self.model.spec.lora_width(j) for j in range(len(self.model.spec.layers)))
-        return tuple(a.numel / per_rank for a in self.adapters.values())
+        used = {r.adapter for r in self._job} - {None} if self._job else set(self.adapters)
+        return tuple(a.numel / per_rank for n, a in self.adapters.items() if n in used)
 
     def adapter_pool(self) -> AdapterPool | None:
-        """The loaded adapters on the compute device (made again when the set changes)."""
+        """The loaded adapters (made again when the set changes)."""
         if not self.adapters:
             return None
         names = tuple(self.adapters)
@@ -278,15 +297,16 @@ class LLM:
             raise InputError("--policy auto does not plan finetuning yet; give a policy (--percent and batch flags)")
         return Policy.load(p) if p else Policy(gpu_batch_size=max(1, min(DEFAULT_BATCH, n)))
 
-    def engine_for(self, policy: Policy, max_prompt: int, max_gen: int, training: bool = False) -> Engine:
-        """An engine for this policy and these sizes: the current one while it fits, else a new
-        one whose weights the residency keeps, moves or reads again (offload.residency)."""
+    def engine_for(self, policy: Policy, max_prompt: int, max_gen: int, training: bool = False,
+                   need: Need = Need()) -> Engine:
+        """An engine for this policy and these sizes (and room for `need` of LoRA adapters): the
+        current one while it fits, else a new one whose weights the residency keeps, moves or
+        reads again (offload.residency)."""
         from flexoff.quant.engine import formats
 
         e = self.engine
-        adapter_bytes = self.adapter_bytes()
         if e is not None and e.policy == policy and e.max_prompt >= max_prompt and e.max_gen >= max_gen \
-                and e.adapter_bytes == adapter_bytes and e.training == training:
+                and e.training == training and all(a >= b for a, b in zip(astuple(e.adapter_need), astuple(need))):
             return e
         if e is not None:
             e.close()
@@ -302,7 +322,7 @@ class LLM:
         read_dev = self.device if m.name.startswith("dummy:") else torch.device("cpu")
         self.engine = self.residency.engine(policy, fmt, codec, max_prompt, max_gen,
                                             lambda j, dev: m.source.layer(j, layers[j], self.dtype, dev),
-                                            read_dev, self.progress, adapter_bytes, training)
+                                            read_dev, self.progress, need, self.adapter_host_bytes(), training)
         return self.engine
 
     def drop_engine(self) -> None:
@@ -359,6 +379,7 @@ class LLM:
         stats = RunStats()
         if not reqs:
             return GenerationOutput([], stats)
+        self._job = reqs
         policy = self.last_policy = self.choose_policy(reqs)
         done: dict[str, Completion] = {}
         bar = tqdm(total=len(reqs), desc="generating", unit="prompt", disable=not self.progress)
@@ -367,7 +388,8 @@ class LLM:
                 todo = [r for r in reqs if r.key not in done]
                 try:  # setting up the engine may run out too (weights loaded through the GPU)
                     engine = self.engine_for(policy, max(len(r.prompt_ids) for r in todo),
-                                             max(1, max(r.params.max_new_tokens for r in todo)))
+                                             max(1, max(r.params.max_new_tokens for r in todo)),
+                                             need=self.adapter_need(policy.block_size, todo))
                     engine.adapters = self.adapter_pool()
                     for block in plan_blocks(todo, policy.block_size):
                         comps, st = run_block(engine, self.tokenizer, block, self.seed, prompt_logprobs, on_logits)
@@ -384,7 +406,43 @@ class LLM:
                     policy = self.last_policy = self._after_oom(policy, todo, attempt)
         finally:
             bar.close()
+            self._job = ()
         return GenerationOutput([done[r.key] for r in reqs], stats, policy, reqs)
+
+    def finetune(self, data: str | Sequence[Mapping[str, Any]], output: str, lora_config: Any = None, *,
+                 init_adapter: str | None = None, steps: int | None = None, epochs: float | None = None,
+                 config: Any = None, eval_data: str | Sequence[Mapping[str, Any]] | None = None,
+                 max_seq_len: int = 1024, seed: int = 0, save_every: int = 10) -> list[float]:
+        """Train a LoRA adapter into the PEFT folder `output`, as `flexoff finetune` does: `data`
+        (and `eval_data`) a JSONL path or a list of records (text, prompt + completion, or
+        messages); `lora_config` a finetune.LoraSpec, a peft.LoraConfig or a dict of its `r`,
+        `lora_alpha`, `target_modules`; `config` a finetune.TrainConfig. Returns each step's loss;
+        `load_lora(name, output)` serves the result."""
+        import json
+        import tempfile
+
+        from flexoff.finetune.run import DEFAULT_TARGETS, LoraSpec, finetune as run_finetune
+        from flexoff.finetune.trainer import TrainConfig
+
+        lora = lora_config
+        if lora is not None and not isinstance(lora, LoraSpec):
+            get = (lambda k, d: lora.get(k, d)) if isinstance(lora, Mapping) else (lambda k, d: getattr(lora, k, d))
+            targets = get("target_modules", None)
+            lora = LoraSpec(int(get("r", 16)), float(get("lora_alpha", 32)),
+                            tuple([targets] if isinstance(targets, str) else targets or DEFAULT_TARGETS))
+        with tempfile.TemporaryDirectory(prefix="flexoff-data-") as tmp:
+            def as_file(d: Any, name: str) -> str | None:
+                if d is None or isinstance(d, str):
+                    return d
+                path = f"{tmp}/{name}.jsonl"
+                with open(path, "w", encoding="utf-8") as f:
+                    f.writelines(json.dumps(r) + "\n" for r in d)
+                return path
+
+            return run_finetune(self, as_file(data, "train"), output, lora=lora, init_adapter=init_adapter,
+                                steps=steps, epochs=epochs, cfg=config or TrainConfig(), max_seq_len=max_seq_len,
+                                seed=seed, progress=self.progress, save_every=save_every,
+                                eval_data=as_file(eval_data, "eval"))
 
     def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              **kw: Any) -> GenerationOutput:

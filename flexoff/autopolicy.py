@@ -16,6 +16,7 @@ import click
 
 from flexoff import profiler
 from flexoff.errors import MemoryBudgetError
+from flexoff.offload.engine import adapter_bytes
 from flexoff.offload.layout import Layout
 from flexoff.offload.memory import MemoryPlan, check, plan_memory
 from flexoff.offload.placement import TIERS
@@ -32,7 +33,9 @@ def engine_plan(llm: Any, policy: Policy, prompt_len: int, gen_len: int) -> Memo
     fmt, codec = formats(policy, m.spec, llm.dtype)
     layouts = [Layout(fmt.fields(l)) for l in m.spec.layers]
     return plan_memory(m.spec, layouts, codec.rec_bytes, policy, prompt_len, gen_len, llm.dtype,
-                       llm.device.type == "cuda", adapter_bytes=llm.adapter_bytes())
+                       llm.device.type == "cuda",
+                       adapters=adapter_bytes(llm.adapter_need(policy.block_size), llm.adapter_host_bytes(),
+                                              layouts, policy, llm.dtype))
 
 
 def auto_policy(llm: Any, prompt_len: int, gen_len: int, num_prompts: int | None, **search_args: Any) -> Policy:

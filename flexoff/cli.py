@@ -212,7 +212,11 @@ def run(model: str | None, input_path: str, output_path: str, max_new_tokens: in
 @click.option("--steps", type=click.IntRange(min=1), default=None)
 @click.option("--epochs", type=click.FloatRange(min=0, min_open=True), default=None)
 @click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=2e-4, show_default=True)
-@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True, help="Sequences per step.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Sequences per micro-batch.")
+@click.option("--grad-accum", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Micro-batches per optimizer step (one mean loss over all their tokens).")
+@click.option("--eval-data", default=None, help="Validation JSONL: its loss every --save-every steps and at the end.")
 @click.option("--max-seq-len", type=click.IntRange(min=2), default=1024, show_default=True)
 @click.option("--warmup", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("--schedule", type=click.Choice(["constant", "linear", "cosine"]), default="cosine", show_default=True)
@@ -226,7 +230,7 @@ def run(model: str | None, input_path: str, output_path: str, max_new_tokens: in
 @policy_options
 def finetune(model: str | None, data_path: str, output: str, lora_r: int, lora_alpha: float, lora_targets: str | None,
              init_adapter: str | None, steps: int | None, epochs: float | None, lr: float, batch_size: int,
-             max_seq_len: int, warmup: int, schedule: str, max_grad_norm: float, seed: int, save_every: int,
+             grad_accum: int, eval_data: str | None, max_seq_len: int, warmup: int, schedule: str, max_grad_norm: float, seed: int, save_every: int,
              dtype: str, device: str, quiet: bool, policy_arg: Any, percent: Any, gpu_batch_size: Any, num_gpu_batches: Any,
              cpu_cache_compute: Any, no_overlap: Any, compress_weight: Any, compress_cache: Any, gpu_mem: Any,
              cpu_mem: Any, disk_mem: Any, offload_dir: Any, hardware: Any) -> None:
@@ -238,14 +242,15 @@ def finetune(model: str | None, data_path: str, output: str, lora_r: int, lora_a
     policy = build_policy(policy_arg, percent, gpu_batch_size, num_gpu_batches, cpu_cache_compute,
                           no_overlap, compress_weight, compress_cache)
     validate.output_folder(output, "--output")
-    cfg = TrainConfig(lr=lr, batch_size=batch_size, max_grad_norm=max_grad_norm if max_grad_norm > 0 else None,
-                      warmup=warmup, schedule=schedule)
+    cfg = TrainConfig(lr=lr, batch_size=batch_size, grad_accum=grad_accum,
+                      max_grad_norm=max_grad_norm if max_grad_norm > 0 else None, warmup=warmup, schedule=schedule)
     targets = tuple(t.strip() for t in lora_targets.split(",")) if lora_targets else DEFAULT_TARGETS
     with LLM(model, policy=policy, device=device, dtype=dtype, offload_dir=offload_dir, gpu_mem=gpu_mem,
              cpu_mem=cpu_mem, disk_mem=disk_mem, progress=False) as llm:
         losses = run_finetune(llm, data_path, output, lora=LoraSpec(lora_r, lora_alpha, targets),
                               init_adapter=init_adapter, steps=steps, epochs=epochs, cfg=cfg,
-                              max_seq_len=max_seq_len, seed=seed, progress=not quiet, save_every=save_every)
+                              max_seq_len=max_seq_len, seed=seed, progress=not quiet, save_every=save_every,
+                              eval_data=eval_data)
     click.echo(f"{len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}; adapter in {output}", err=True)
 
 
@@ -342,7 +347,7 @@ def policy() -> None:
 @click.option("--top", type=click.IntRange(min=1), default=5, show_default=True, help="Runner-up policies to show.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the chosen Policy here.")
 @click.option("--lora-ranks", default=None, metavar="R1,R2,...",
-              help="LoRA adapters held on the GPU, each on every linear layer with its rank (e.g. 8,16,32,64).")
+              help="LoRA adapters the job uses, each on every linear layer with its rank (e.g. 8,16,32,64).")
 @click.option("--lora-adapters", type=click.IntRange(min=1), default=None,
               help="How many adapters, cycling through --lora-ranks (default: one per rank).")
 def policy_search(model: str, prompt_len: int, gen_len: int, num_prompts: int | None, gpu_mem: Any, cpu_mem: Any,
@@ -375,10 +380,14 @@ def policy_search(model: str, prompt_len: int, gen_len: int, num_prompts: int | 
     click.echo(f"bottleneck  {p.bottleneck}")
     click.echo("memory      " + ", ".join(f"{t} {v / gib:.2f} GiB" for t, v in p.memory.items()))
     if ranks:
+        from flexoff.policy.cost_model import lora_per_block
+
         width = sum(spec.lora_width(j) for j in range(len(spec.layers)))
-        click.echo(f"lora        {len(ranks)} adapters (mean rank {sum(ranks) / len(ranks):g}) on every linear layer: "
-                   f"{sum(ranks) * width * work.elem_bytes / gib:.2f} GiB on the GPU, "
-                   f"{2 * sum(ranks) / len(ranks) * width:.3g} FLOPs per token (base "
+        used, mean = lora_per_block(work, best.policy.block_size)
+        held = used * mean * width * work.elem_bytes / gib
+        where = "on the GPU" if best.policy.w_gpu_percent >= 100 else "paged in with each layer's weights"
+        click.echo(f"lora        {len(ranks)} adapters (mean rank {mean:g}) on every linear layer; a block uses "
+                   f"{used}: {held:.2f} GiB {where}, {2 * mean * width:.3g} FLOPs per token (base "
                    f"{sum(spec.linear_flops(j) for j in range(len(spec.layers))):.3g})")
     if len(cands) > 1:
         click.echo("runners-up:")

@@ -126,8 +126,9 @@ class RunStats:
 
 
 def plan_blocks(requests: Sequence[Request], block_size: int) -> list[list[Request]]:
-    """Blocks of similar prompt length (less padding), longest last."""
-    order = sorted(requests, key=lambda r: (len(r.prompt_ids), r.params.max_new_tokens))
+    """Blocks of similar prompt length (less padding), longest last; among equal lengths, rows of
+    one LoRA adapter together (a block then pages in fewer adapters)."""
+    order = sorted(requests, key=lambda r: (len(r.prompt_ids), r.params.max_new_tokens, r.adapter or ""))
     return [order[i:i + block_size] for i in range(0, len(order), block_size)]
 
 

@@ -1,13 +1,17 @@
 """LoRA deltas for the rows of a batch, each row with its own adapter of its own rank (S-LoRA's
-MBGMV, Punica's BGMV), Triton on CUDA, the torch reference elsewhere, behind one dispatch.
+MBGMV/MBGMM, Punica's SGMV), Triton on CUDA, the torch reference elsewhere, behind one dispatch.
 
-Knows: the packed form of one adapted matmul across adapters: `A` (sum of ranks, in) holds
-each adapter's A rows one after another, `Bt` (sum of ranks, out) its B transposed likewise,
-with `rank`, `offset` and `scale` per adapter (rank 0 where an adapter does not adapt this
-matmul), so no adapter is padded to the largest rank in memory; and adding
-scale * (x @ A_a.T) @ B_a.T to the rows of y whose adapter is a (index -1: none). The kernel
-runs a program per token and block of outputs: it shrinks the token to the adapter's rank
-(masked to the pool's largest rank), then expands onto its outputs.
+Knows: one adapted matmul's LoRA across a block's adapters as a `LoraPack`: every adapter's A
+(rank, in) and B transposed (rank, out) live anywhere in one flat buffer, found by element
+offsets, with a rank and a scale per adapter (rank 0 where an adapter leaves this matmul
+alone), so no adapter is padded to the largest rank and adapters need not sit next to each
+other (the pool pages them per adapter); adding scale * (x @ A_a.T) @ B_a.T to the rows of y
+whose adapter is a (index -1: none). The kernels run in two passes, as Punica and S-LoRA do:
+shrink (each row's tokens onto the adapter's rank, split over the input so a small batch
+still fills the GPU, partial sums kept apart so the result does not depend on timing) and
+expand (the rank onto the outputs, added to y in place). Decode rows (one token) reduce
+with plain sums; rows of many tokens (prefill) multiply tiles with tl.dot, reading each
+adapter tile once per tile of tokens.
 Does not know: where adapters come from, which rows have which adapter.
 """
 
@@ -29,69 +33,115 @@ except ImportError:  # CPU-only installs without triton use the reference
 
 @dataclass
 class LoraPack:
-    """One matmul's LoRA weights across the pool's adapters."""
-    A: torch.Tensor  # (sum of ranks, in)
-    Bt: torch.Tensor  # (sum of ranks, out)
+    """One matmul's LoRA weights across a block's adapters."""
+    buf: torch.Tensor  # flat, the compute dtype: holds every adapter's A and B transposed
+    a_off: torch.Tensor  # (adapters,) int64: where each adapter's A (rank, fan_in) starts in buf
+    b_off: torch.Tensor  # (adapters,) int64: where its B transposed (rank, fan_out) starts
     rank: torch.Tensor  # (adapters,) int32
-    offset: torch.Tensor  # (adapters,) int32: first row of each adapter in A and Bt
     scale: torch.Tensor  # (adapters,) float32
-    ranks: tuple[int, ...]  # the same ranks on the host
-    max_rank: int
-    scales: tuple[float, ...] = ()  # the same scalings on the host, exactly
+    fan_in: int
+    fan_out: int
+    max_rank: int  # the largest rank this pack may hold (the kernels' tile)
+    ranks: tuple[int, ...] = ()  # the same ranks, offsets and scalings on the host, exactly
+    a_offs: tuple[int, ...] = ()
+    b_offs: tuple[int, ...] = ()
+    scales: tuple[float, ...] = ()
+    leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # autograd leaves replacing buf's views
+
+    def weights(self, a: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Adapter a's A (rank, fan_in) and B transposed (rank, fan_out)."""
+        if self.leaves is not None and a in self.leaves:
+            return self.leaves[a]
+        r, ao, bo = self.ranks[a], self.a_offs[a], self.b_offs[a]
+        return (self.buf[ao:ao + r * self.fan_in].view(r, self.fan_in),
+                self.buf[bo:bo + r * self.fan_out].view(r, self.fan_out))
 
 
 def lora_delta_ref(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: LoraPack) -> torch.Tensor:
     """y plus each row's adapter delta: x (n, ..., in), y (n, ..., out), ids (n,) adapter per row."""
-    offsets = p.offset.tolist()
     for a in sorted(set(ids.tolist()) - {-1}):
-        r = p.ranks[a]
-        if r == 0:
+        if p.ranks[a] == 0:
             continue
+        A, Bt = p.weights(a)
         rows = (ids == a).nonzero()[:, 0]
-        o = offsets[a]
-        d = F.linear(F.linear(x.index_select(0, rows), p.A[o:o + r]), p.Bt[o:o + r].t())
+        d = F.linear(F.linear(x.index_select(0, rows), A), Bt.t())
         y = y.index_add(0, rows, (d * p.scales[a]).to(y.dtype))
     return y
 
 
 def lora_delta(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: LoraPack) -> torch.Tensor:
-    """The dispatch: the kernel for CUDA tensors, the reference elsewhere and wherever autograd
+    """The dispatch: the kernels for CUDA tensors, the reference elsewhere and wherever autograd
     records (a training sweep's recompute differentiates through it)."""
     if HAVE_TRITON and x.is_cuda and not torch.is_grad_enabled():
         return lora_delta_triton(x, y, ids, p)
     return lora_delta_ref(x, y, ids, p)
 
 
+SPLIT_K = 512  # input features one shrink program reduces
+
+
 if HAVE_TRITON:
     @triton.jit
-    def _lora_kernel(X, Y, IDS, A, BT, RANK, OFF, SCALE, per_row, K, N, sx, sy, sa, sb,
-                     R: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr):
-        t = tl.program_id(0)  # token
-        nb = tl.program_id(1)  # block of outputs
-        a = tl.load(IDS + t // per_row)
+    def _shrink(X, IDS, W, AOFF, RANK, V, per_row, K, sx, SPLIT,
+                R: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, DOT: tl.constexpr):
+        row = tl.program_id(0)
+        mb = tl.program_id(1)
+        sp = tl.program_id(2)
+        a = tl.load(IDS + row)
         safe = tl.maximum(a, 0)
         r = tl.where(a >= 0, tl.load(RANK + safe), 0)
-        off = tl.load(OFF + safe)
+        ao = tl.load(AOFF + safe)
+        ms = mb * BM + tl.arange(0, BM)
+        mlive = (ms < per_row) & ((ms * 0 + r) > 0)
         ks = tl.arange(0, R)
         live = ks < r
-        v = tl.zeros((R,), tl.float32)
-        for k0 in range(0, K, BK):  # shrink: v = A_a @ x
-            cols = k0 + tl.arange(0, BK)
-            xk = tl.load(X + t * sx + cols, mask=cols < K, other=0.0).to(tl.float32)
-            ak = tl.load(A + (off + ks)[:, None] * sa + cols[None, :], mask=live[:, None] & (cols[None, :] < K),
-                         other=0.0).to(tl.float32)
-            v += tl.sum(ak * xk[None, :], axis=1)
+        toks = row * per_row + ms
+        acc = tl.zeros((BM, R), tl.float32)
+        for k0 in range(0, KS, BK):
+            cols = sp * KS + k0 + tl.arange(0, BK)
+            cm = cols < K
+            x = tl.load(X + toks[:, None] * sx + cols[None, :], mask=mlive[:, None] & cm[None, :], other=0.0)
+            at = tl.load(W + ao + ks[None, :] * K + cols[:, None], mask=live[None, :] & cm[:, None], other=0.0)
+            if DOT:
+                acc += tl.dot(x, at)
+            else:
+                acc += tl.sum(x[:, :, None].to(tl.float32) * at[None, :, :].to(tl.float32), axis=1)
+        tl.store(V + (toks[:, None] * SPLIT + sp) * R + ks[None, :], acc, mask=(ms < per_row)[:, None])
+
+    @triton.jit
+    def _expand(Y, IDS, W, BOFF, RANK, SCALE, V, per_row, N, sy, SPLIT,
+                R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr):
+        row = tl.program_id(0)
+        mb = tl.program_id(1)
+        nb = tl.program_id(2)
+        a = tl.load(IDS + row)
+        safe = tl.maximum(a, 0)
+        r = tl.where(a >= 0, tl.load(RANK + safe), 0)
+        bo = tl.load(BOFF + safe)
+        sc = tl.load(SCALE + safe)
+        ms = mb * BM + tl.arange(0, BM)
+        mlive = (ms < per_row) & ((ms * 0 + r) > 0)
+        toks = row * per_row + ms
+        ks = tl.arange(0, R)
+        live = ks < r
+        v = tl.zeros((BM, R), tl.float32)
+        for s in range(0, SPLIT):
+            v += tl.load(V + (toks[:, None] * SPLIT + s) * R + ks[None, :], mask=mlive[:, None], other=0.0)
         outs = nb * BN + tl.arange(0, BN)
-        bt = tl.load(BT + (off + ks)[:, None] * sb + outs[None, :], mask=live[:, None] & (outs[None, :] < N),
-                     other=0.0).to(tl.float32)
-        d = tl.sum(v[:, None] * bt, axis=0) * tl.load(SCALE + safe)  # expand
-        ym = (outs < N) & ((outs * 0 + r) > 0)  # rows on the base model: nothing to write
-        y = tl.load(Y + t * sy + outs, mask=ym, other=0.0).to(tl.float32)
-        tl.store(Y + t * sy + outs, (y + d).to(Y.dtype.element_ty), mask=ym)
+        om = outs < N
+        bt = tl.load(W + bo + ks[:, None] * N + outs[None, :], mask=live[:, None] & om[None, :], other=0.0)
+        if DOT:
+            d = tl.dot(v.to(bt.dtype), bt)
+        else:
+            d = tl.sum(v[:, :, None] * bt[None, :, :].to(tl.float32), axis=1)
+        ym = mlive[:, None] & om[None, :]
+        ptr = Y + toks[:, None] * sy + outs[None, :]
+        y = tl.load(ptr, mask=ym, other=0.0).to(tl.float32)
+        tl.store(ptr, (y + d * sc).to(Y.dtype.element_ty), mask=ym)
 
 
 def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: LoraPack) -> torch.Tensor:
-    """The kernel, on any device Triton reaches (the CPU under TRITON_INTERPRET=1, for tests);
+    """The kernels, on any device Triton reaches (the CPU under TRITON_INTERPRET=1, for tests);
     y is updated in place and returned."""
     n = x.shape[0]
     xf = x.reshape(-1, x.shape[-1])
@@ -99,9 +149,17 @@ def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: Lo
         xf = xf.contiguous()
     yf = y.view(-1, y.shape[-1])  # y is the fresh output of the base matmul: contiguous
     tokens, K, N = xf.shape[0], xf.shape[1], yf.shape[1]
+    per_row = tokens // n
     R = max(16, triton.next_power_of_2(max(p.max_rank, 1)))
-    BN = 64 if R <= 64 else 32
-    _lora_kernel[(tokens, triton.cdiv(N, BN))](xf, yf, ids.to(torch.int32), p.A, p.Bt, p.rank, p.offset, p.scale,
-                                                tokens // n, K, N, xf.stride(0), yf.stride(0), p.A.stride(0),
-                                                p.Bt.stride(0), R=R, BK=32, BN=BN)
+    dot = per_row >= 16  # many tokens per row: tiles through tl.dot
+    BM = (64 if R <= 32 else 32) if dot else 1
+    split = triton.cdiv(K, SPLIT_K)
+    v = torch.empty(tokens, split, R, dtype=torch.float32, device=x.device)
+    ids32 = ids.to(torch.int32)
+    mblocks = triton.cdiv(per_row, BM)
+    _shrink[(n, mblocks, split)](xf, ids32, p.buf, p.a_off, p.rank, v, per_row, K, xf.stride(0), split,
+                                 R=R, BM=BM, BK=32 if dot else 64, KS=SPLIT_K, DOT=dot)
+    BN = (64 if dot else 128) if R <= 32 else 32
+    _expand[(n, mblocks, triton.cdiv(N, BN))](yf, ids32, p.buf, p.b_off, p.rank, p.scale, v, per_row, N,
+                                              yf.stride(0), split, R=R, BM=BM, BN=BN, DOT=dot)
     return y

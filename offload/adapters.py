@@ -1,24 +1,40 @@
-"""The adapter pool: LoRA adapters on the compute device, and their deltas added beside each
-adapted projection for the rows of a batch that use them.
+"""The adapter pool: LoRA adapters in host memory, the current block's on the compute device, and
+their deltas added beside each adapted projection for the rows that use them.
 
-Knows: every loaded adapter's A and B, packed per (layer, matmul tensor) across adapters
-(kernels.lora.LoraPack: no adapter padded to the largest rank) in the compute dtype; each
-adapter's index; a batch's adapter per row as an index tensor (-1: the base model); weight
-objects whose `linear` adds the rows' deltas to the base projection (so model files, which
-call `linear`, never mention adapters).
-Does not know: PEFT's files (flexoff.adapters), the schedule. All adapters sit on the compute
-device; paging them per layer with the weights is still to come.
+Knows: each adapter as one flat host buffer in the compute dtype (pinned where copies go to a
+GPU), laid out layer by layer so a layer's LoRA is one contiguous segment per adapter; a block
+(the adapters its rows use, in index order); two ways of holding a block on the device:
+- resident (the weights are on the device too): a cache of whole adapters in one buffer, each
+  copied once and kept while the buffer has room (emptied when a block's adapters do not fit
+  beside it), so blocks that share adapters copy nothing;
+- paged (the weights stream from CPU or disk): the block's segments of one layer copied into
+  the staging slot that layer's weights go to, on the same copy lane, when the weights are
+  prefetched (one copy per adapter and layer, in one lane task), so adapters ride each weight
+  load and never need room for more than the slots' layers;
+and per adapted matmul a LoraPack (kernels.lora) whose offsets, ranks and scales for the
+block's adapters sit in device tensors of fixed size (a CUDA graph captured once reads any
+later block's adapters); weight objects whose `linear` adds the rows' deltas to the base
+projection (so model files, which call `linear`, never mention adapters).
+Does not know: PEFT's files (flexoff.adapters), the schedule, which rows go in which block.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
 import torch
 
 from flexoff.adapters.peft import Adapter
 from flexoff.kernels.lora import LoraPack, lora_delta
 from flexoff.models.base import linear, materialize
+
+if TYPE_CHECKING:
+    from flexoff.offload.lanes import Event
+    from flexoff.offload.mover import Mover
+    from flexoff.offload.weights import WeightStore
+
+Key = tuple[int, str]  # (engine layer, matmul tensor name)
 
 
 class LoraLinear:
@@ -34,37 +50,230 @@ class LoraLinear:
         return materialize(self.base)
 
 
-def pack(adapters: Sequence[Adapter], key: tuple[int, str], device: torch.device, dtype: torch.dtype) -> LoraPack:
-    """One matmul's LoRA across adapters (rank 0 for those that leave it alone)."""
-    mods = [a.modules.get(key) for a in adapters]
-    ranks = [m.A.shape[0] if m is not None else 0 for m in mods]
-    offsets = [sum(ranks[:i]) for i in range(len(ranks))]
-    A = torch.cat([m.A for m in mods if m is not None]).to(device, dtype).contiguous()
-    Bt = torch.cat([m.B.t() for m in mods if m is not None]).to(device, dtype).contiguous()
-    scales = tuple(m.scaling if m is not None else 0.0 for m in mods)
-    return LoraPack(A, Bt, torch.tensor(ranks, dtype=torch.int32, device=device),
-                    torch.tensor(offsets, dtype=torch.int32, device=device),
-                    torch.tensor(scales, dtype=torch.float32, device=device), tuple(ranks), max(ranks), scales)
+@dataclass(frozen=True)
+class Slot:
+    """Where one matmul of an adapter lies in the adapter's flat buffer (elements)."""
+    a_off: int
+    b_off: int
+    rank: int
+    scale: float
+
+
+class HostAdapter:
+    """One adapter in one flat host buffer: per layer, per adapted matmul (sorted by name), A
+    (rank, in) then B transposed (rank, out)."""
+
+    def __init__(self, a: Adapter, dtype: torch.dtype, pin: bool):
+        self.name = a.name
+        self.slots: dict[Key, Slot] = {}
+        self.segments: dict[int, tuple[int, int]] = {}  # layer -> [first, end) elements
+        at = 0
+        for key in sorted(a.modules):
+            m = a.modules[key]
+            r, fin, fout = m.A.shape[0], m.A.shape[1], m.B.shape[0]
+            lo = self.segments.get(key[0], (at, at))[0]
+            self.slots[key] = Slot(at, at + r * fin, r, m.scaling)
+            at += r * (fin + fout)
+            self.segments[key[0]] = (lo, at)
+        self.numel = at
+        self.flat = torch.empty(at, dtype=dtype, pin_memory=pin)
+        self.write(a)
+
+    def write(self, a: Adapter) -> None:
+        """Copy the adapter's values in (again, after an optimizer step changed them)."""
+        for key, s in self.slots.items():
+            m = a.modules[key]
+            self.flat[s.a_off:s.a_off + m.A.numel()].view_as(m.A).copy_(m.A)
+            self.flat[s.b_off:s.b_off + m.B.numel()].view(m.B.shape[1], m.B.shape[0]).copy_(m.B.t())
+
+
+@dataclass(frozen=True)
+class Need:
+    """What a job's blocks need on the device: the most adapters one block uses, the most
+    elements of LoRA one block uses, and the most one block uses in one layer."""
+    adapters: int = 0
+    elements: int = 0
+    layer: int = 0
+
+    def gpu_bytes(self, paged: bool, slots: int, itemsize: int) -> int:
+        return (slots * self.layer if paged else self.elements) * itemsize
+
+
+def layer_numel(a: Adapter) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for (j, _), m in a.modules.items():
+        out[j] = out.get(j, 0) + m.A.numel() + m.B.numel()
+    return out
 
 
 class AdapterPool:
-    def __init__(self, adapters: Sequence[Adapter], device: torch.device, dtype: torch.dtype):
-        self.index = {a.name: i for i, a in enumerate(adapters)}
-        keys = {key for a in adapters for key in a.modules}
-        self.packs = {key: pack(adapters, key, device, dtype) for key in keys}
-        self.device = device
+    """Loaded adapters (host copies made on first use) and the current block's on the device."""
 
+    def __init__(self, adapters: Sequence[Adapter], device: torch.device, dtype: torch.dtype):
+        self.adapters = {a.name: a for a in adapters}
+        self.device, self.dtype = device, dtype
+        self.pin = device.type == "cuda"
+        self.max_rank = max((m.A.shape[0] for a in adapters for m in a.modules.values()), default=1)
+        self.keys = sorted({key for a in adapters for key in a.modules})
+        fans = {key: (m.A.shape[1], m.B.shape[0]) for a in adapters for key, m in a.modules.items()}
+        self._fans = fans
+        self._host: dict[str, HostAdapter] = {}
+        self._layer_numel = {a.name: layer_numel(a) for a in adapters}
+        self.block: list[str] = []  # the current block's adapters, by index
+        self.index: dict[str, int] = {}
+        self.packs: dict[Key, LoraPack] = {}
+        self.version = 0  # changes whenever device buffers are made anew (graphs read them)
+        self.paged = False
+        self._cap: Need | None = None
+        self._buf: torch.Tensor | None = None  # resident: the cache; paged: unused
+        self._slots: list[torch.Tensor] = []  # paged: one buffer per weight slot
+        self._cached: dict[str, int] = {}  # resident: adapter -> its first element in _buf
+        self._top = 0  # resident: the cache's first free element
+        self._copies: dict[int, list[tuple[torch.Tensor, int, int]]] = {}  # paged: layer -> (src, at, n)
+
+    # ---- sizes -------------------------------------------------------------------------------
+    def need(self, blocks: Iterable[Iterable[str | None]]) -> Need:
+        """The device room a job's blocks (each the adapter names of its rows) need."""
+        adapters = elements = layer = 0
+        for names in blocks:
+            used = {n for n in names if n is not None}
+            adapters = max(adapters, len(used))
+            elements = max(elements, sum(self.adapters[n].numel for n in used))
+            per: dict[int, int] = {}
+            for n in used:
+                for j, c in self._layer_numel[n].items():
+                    per[j] = per.get(j, 0) + c
+            layer = max([layer, *per.values()])
+        return Need(adapters, elements, layer)
+
+    def host_bytes(self) -> int:
+        """Host memory the adapters' flat copies take."""
+        return sum(a.numel for a in self.adapters.values()) * self.dtype.itemsize
+
+    def host(self, name: str) -> HostAdapter:
+        h = self._host.get(name)
+        if h is None:
+            h = self._host[name] = HostAdapter(self.adapters[name], self.dtype, self.pin)
+        return h
+
+    def refresh(self, name: str) -> None:
+        """An adapter's values changed (an optimizer step): its host copy is rewritten and the
+        next block copies it to the device again."""
+        if name in self._host:
+            self._host[name].write(self.adapters[name])
+        self._cached.pop(name, None)
+
+    def drop_cache(self) -> None:
+        """Forget the adapters the device holds (resident): the next block copies its own again."""
+        self._cached, self._top = {}, 0
+
+    # ---- blocks ------------------------------------------------------------------------------
+    def begin(self, names: Sequence[str | None], cap: Need, weights: "WeightStore") -> None:
+        """Make the block whose rows use `names` current: indices, packs and (resident) the
+        adapters on the device. `cap` is what the engine planned room for."""
+        used = list(dict.fromkeys(n for n in names if n is not None))
+        if len(used) > cap.adapters:
+            raise RuntimeError(f"internal: a block of {len(used)} adapters in room planned for {cap.adapters}")
+        paged = not all(s.resident for s in weights.splits)
+        self._reserve(cap, paged, len(weights.slots))
+        self.block, self.index = used, {n: i for i, n in enumerate(used)}
+        hosts = [self.host(n) for n in used]
+        base = self._place(hosts) if not paged else {}
+        if paged:
+            self._plan_pages(hosts)
+            weights.forget()  # the slots hold no layer with this block's adapters yet
+        for key, p in self.packs.items():
+            slots = [h.slots.get(key) for h in hosts]
+            if paged:
+                lo = [h.segments.get(key[0], (0, 0))[0] for h in hosts]
+                at = self._page_at.get(key[0], lo)  # no adapter of the block adapts this layer
+                a_offs = [at[i] + s.a_off - lo[i] if s else 0 for i, s in enumerate(slots)]
+                b_offs = [at[i] + s.b_off - lo[i] if s else 0 for i, s in enumerate(slots)]
+            else:
+                a_offs = [base[h.name] + s.a_off if s else 0 for h, s in zip(hosts, slots)]
+                b_offs = [base[h.name] + s.b_off if s else 0 for h, s in zip(hosts, slots)]
+            ranks = [s.rank if s else 0 for s in slots]
+            scales = [s.scale if s else 0.0 for s in slots]
+            pad = cap.adapters - len(used)
+            for t, vals in ((p.a_off, a_offs), (p.b_off, b_offs), (p.rank, ranks), (p.scale, scales)):
+                t.copy_(torch.tensor(vals + [0] * pad, dtype=t.dtype), non_blocking=False)
+            p.ranks, p.a_offs, p.b_offs, p.scales = tuple(ranks), tuple(a_offs), tuple(b_offs), tuple(scales)
+
+    def _reserve(self, cap: Need, paged: bool, slots: int) -> None:
+        """Device buffers for this room (kept while the room and the way of holding stay)."""
+        if self._cap == cap and self.paged == paged and (not paged or len(self._slots) == slots):
+            return
+        self._cap, self.paged = cap, paged
+        self._buf, self._slots, self._cached, self._top = None, [], {}, 0
+        dev = self.device
+        if paged:
+            self._slots = [torch.empty(max(1, cap.layer), dtype=self.dtype, device=dev) for _ in range(slots)]
+        else:
+            self._buf = torch.empty(max(1, cap.elements), dtype=self.dtype, device=dev)
+        buf = self._buf if self._buf is not None else (self._slots[0] if self._slots else None)
+        n = max(1, cap.adapters)
+        self.packs = {key: LoraPack(buf, torch.zeros(n, dtype=torch.int64, device=dev),
+                                    torch.zeros(n, dtype=torch.int64, device=dev),
+                                    torch.zeros(n, dtype=torch.int32, device=dev),
+                                    torch.zeros(n, dtype=torch.float32, device=dev),
+                                    *self._fans[key], self.max_rank) for key in self.keys}
+        self.version += 1
+
+    def _place(self, hosts: list[HostAdapter]) -> dict[str, int]:
+        """Resident: every adapter of the block in the cache (copied if not there already); the
+        cache is emptied first when the missing ones do not fit after what it holds."""
+        assert self._buf is not None
+        missing = [h for h in hosts if h.name not in self._cached]
+        if self._top + sum(h.numel for h in missing) > self._buf.numel():
+            self._cached, self._top = {}, 0
+            missing = hosts
+        for h in missing:
+            self._buf[self._top:self._top + h.numel].copy_(h.flat, non_blocking=True)
+            self._cached[h.name] = self._top
+            self._top += h.numel
+        return {h.name: self._cached[h.name] for h in hosts}
+
+    def _plan_pages(self, hosts: list[HostAdapter]) -> None:
+        """Paged: per layer, where each adapter's segment goes in a slot and what to copy."""
+        self._copies, self._page_at = {}, {}
+        layers = {j for h in hosts for j in h.segments}
+        for j in layers:
+            at, copies, pos = 0, [], []
+            for h in hosts:
+                lo, hi = h.segments.get(j, (0, 0))
+                pos.append(at)
+                if hi > lo:
+                    copies.append((h.flat[lo:hi], at, hi - lo))
+                    at += hi - lo
+            self._copies[j], self._page_at[j] = copies, pos
+
+    def stage(self, j: int, slot: int, deps: list["Event"], mover: "Mover") -> list["Event"]:
+        """Paged: start copying layer j's segments of the block's adapters into weight slot
+        `slot` (called as the layer's weights are prefetched into it)."""
+        copies = self._copies.get(j) if self.paged else None
+        if not copies:
+            return []
+        dst = self._slots[slot]
+        return [mover.copy_many([(dst[at:at + n], src) for src, at, n in copies], deps)]
+
+    # ---- rows --------------------------------------------------------------------------------
     def ids(self, names: Sequence[str | None]) -> torch.Tensor:
-        """A batch's adapter per row as indices on the device (-1: the base model)."""
+        """A batch's adapter per row as block indices on the device (-1: the base model)."""
         return torch.tensor([self.index[n] if n is not None else -1 for n in names], dtype=torch.int32,
                             device=self.device)
 
-    def adapt(self, j: int, w: Mapping[str, Any], ids: torch.Tensor, present: frozenset[int]) -> Mapping[str, Any]:
-        """Layer j's weights, its matmuls that an adapter of the batch (`present`) adapts wrapped."""
+    def adapt(self, j: int, w: Mapping[str, Any], ids: torch.Tensor, present: Iterable[int] | None,
+              slot: int | None = None) -> Mapping[str, Any]:
+        """Layer j's weights, its matmuls that an adapter of the batch (`present`; None: any
+        adapter of the pool) adapts wrapped; paged, the LoRA is read from weight slot `slot`."""
         out = None
+        present = list(present) if present is not None else None
         for name in w:
             p = self.packs.get((j, name))
-            if p is not None and any(p.ranks[a] for a in present):
-                out = out if out is not None else dict(w)
-                out[name] = LoraLinear(w[name], ids, p)
+            if p is None or (present is not None and not any(p.ranks[a] for a in present)):
+                continue
+            if self.paged:
+                p = replace(p, buf=self._slots[slot])
+            out = out if out is not None else dict(w)
+            out[name] = LoraLinear(w[name], ids, p)
         return out if out is not None else w

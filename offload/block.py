@@ -166,14 +166,19 @@ class BlockRun:
         self.states = [BatchState(b, gen_len, engine.device, pin) for b in batches]
         self.tasks = tasks
         self.training = any(b.labels is not None for b in batches)
-        pool = engine.adapters  # per batch: the adapter of each row, and which are present
+        pool = engine.adapters if any(b.adapters for b in batches) else None
+        engine.weights.adapters = None
+        if pool is not None:  # the block's adapters on the device (resident) or paged with the weights
+            pool.begin([a for b in batches for a in (b.adapters or ())], engine.adapter_need, engine.weights)
+            engine.weights.adapters = pool if pool.paged else None
+        # per batch: the adapter of each row (block indices), and which are present
         self.adapters = [(pool.ids(b.adapters), frozenset(pool.index[a] for a in b.adapters if a is not None))
                          if pool is not None and b.adapters else None for b in batches]
         self.pending: list[Pending] = []
         self.cpu_free_at: float | None = None  # when the CPU attention lane last finished a call
         self.grads: list[torch.Tensor | None] = [None] * len(batches)  # d loss / d (current layer's output)
-        # d loss / d (each adapted matmul's packed LoRA A and B transposed), summed over batches
-        self.lora_grads: dict[tuple[int, str], list[torch.Tensor]] = {}
+        # per adapted matmul, per adapter: d loss / d (its A and B transposed), summed over batches
+        self.lora_grads: dict[tuple[int, str], dict[str, list[torch.Tensor]]] = {}
 
     def finish_where(self, which: Callable[[Pending], bool]) -> None:
         """Finish the pending CPU attention calls `which` picks, oldest first: wait for each and

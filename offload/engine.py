@@ -26,7 +26,7 @@ import torch
 from flexoff.models.base import Family
 from flexoff.models.spec import ModelSpec
 from flexoff.offload.activations import HiddenStore, Stash
-from flexoff.offload.adapters import AdapterPool
+from flexoff.offload.adapters import AdapterPool, Need
 from flexoff.offload.block import (IGNORE, BatchInput, BlockResult, BlockRun, Clock, LossTask, OnTokens,
                                    Sampler, SampleTask)
 from flexoff.offload.host_io import HostIO
@@ -41,10 +41,17 @@ from flexoff.offload.placement import ByteSplit
 from flexoff.offload.schedule import Sweep, block_plan, forward_sweeps, training_sweeps
 from flexoff.offload.tiers import Budgets, Ledger, Tiers
 from flexoff.offload.weights import WeightStore, move_overhead, plan_weights
-from flexoff.policy.policy import Policy
+from flexoff.policy.policy import Policy, weight_slots
 
 __all__ = ["Engine", "BatchInput", "BlockResult", "TrainResult", "cpu_attention_threads"]
 SWITCH_INTERVAL = 2e-4  # seconds; Python's default is 5e-3
+
+
+def adapter_bytes(need: Need, host: int, layouts: list[Layout], policy: Policy, dtype: torch.dtype) -> dict[str, int]:
+    """Bytes a block's LoRA adapters take per tier: on the device the block's adapters (weights
+    resident) or a page per weight slot (weights streamed); in host memory every loaded one."""
+    paged = not all(s.resident for s in plan_weights(layouts, policy))
+    return {"gpu": need.gpu_bytes(paged, weight_slots(policy.cpu_cache_compute), dtype.itemsize), "cpu": host}
 
 
 def cpu_attention_threads() -> int:
@@ -60,8 +67,8 @@ class TrainResult:
     loss: float  # the step's loss: summed over labelled tokens, divided by their count
     tokens: int  # labelled tokens
     input_grads: list[torch.Tensor]  # per batch: d loss / d (the embedding's output), (n, s, hidden)
-    # per adapted (layer, matmul): d loss / d (the pool's packed A, and B transposed), every adapter's rows
-    lora_grads: dict[tuple[int, str], list[torch.Tensor]] = field(default_factory=dict)
+    # per adapted (layer, matmul), per adapter: d loss / d (its A, and its B transposed)
+    lora_grads: dict[tuple[int, str], dict[str, list[torch.Tensor]]] = field(default_factory=dict)
 
 
 class Engine:
@@ -74,15 +81,16 @@ class Engine:
                  kv_codec: KVCodec | None = None, tiers: Tiers | None = None,
                  weights: WeightStore | None = None, credit: dict[str, int] | None = None,
                  moving: list[ByteSplit] | None = None, training: bool = False,
-                 cuda_graphs: bool | None = None, adapter_bytes: int = 0):
+                 cuda_graphs: bool | None = None, adapter_need: Need = Need(), adapter_host_bytes: int = 0):
         self.fam, self.spec, self.policy, self.device, self.dtype = family, spec, policy, device, dtype
         self.max_prompt, self.max_gen = max_prompt, max_gen
         self.fmt = weight_format or PlainFormat(dtype)
         codec = kv_codec or PlainKV(spec.num_kv_heads, spec.head_dim, dtype)
         layouts = [Layout(self.fmt.fields(l)) for l in spec.layers]
         self.plan: MemoryPlan = plan_memory(spec, layouts, codec.rec_bytes, policy, max_prompt, max_gen,
-                                            dtype, device.type == "cuda", training, adapter_bytes)
-        self.adapter_bytes = adapter_bytes  # LoRA adapters the caller keeps on the compute device
+                                            dtype, device.type == "cuda", training,
+                                            adapter_bytes(adapter_need, adapter_host_bytes, layouts, policy, dtype))
+        self.adapter_need = adapter_need  # the room a block's LoRA adapters have on the compute device
         self.training = training  # made for training sweeps (a stash)
         if moving:  # an older store's layers (their splits) move in: each stays until it has moved
             self.plan.add("weights being moved", move_overhead(moving, plan_weights(layouts, policy)))
@@ -104,6 +112,7 @@ class Engine:
             self.close()
             raise
         self.adapters: AdapterPool | None = None  # LoRA adapters the caller has loaded (set by it)
+        self.weights.adapters = None
         self.ops = layer_ops(self)
         self.lean = LeanDecoder(self, graphs_enabled(cuda_graphs)) if LeanDecoder.applies(self) else None
         self.cpu_threads = cpu_attention_threads() if self.lanes.cuda and policy.cpu_cache_compute else 0

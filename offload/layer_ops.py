@@ -45,21 +45,23 @@ class LeanStep:
 
 def dense(w: Mapping[str, Any]) -> dict[str, Any]:
     """Weights that autograd can differentiate through: compressed ones dequantized; LoRA-wrapped
-    ones keep their adapters, with A and B transposed as fresh leaves (the gradients asked for)."""
+    ones keep their adapters, each adapter its rows use with A and B transposed as fresh leaves
+    (the gradients asked for)."""
     out: dict[str, Any] = {}
     for n, v in w.items():
         if isinstance(v, LoraLinear):
             p = v.pack
-            leaves = replace(p, A=p.A.detach().requires_grad_(True), Bt=p.Bt.detach().requires_grad_(True))
-            out[n] = LoraLinear(materialize(v.base), v.ids, leaves)
+            used = sorted(a for a in set(v.ids.tolist()) - {-1} if p.ranks[a])
+            leaves = {a: tuple(t.detach().requires_grad_(True) for t in p.weights(a)) for a in used}
+            out[n] = LoraLinear(materialize(v.base), v.ids, replace(p, leaves=leaves))
         else:
             out[n] = materialize(v)
     return out
 
 
-def lora_leaves(w: Mapping[str, Any]) -> list[tuple[str, list[torch.Tensor]]]:
-    """The LoRA leaves dense() made, by tensor name."""
-    return [(n, [v.pack.A, v.pack.Bt]) for n, v in w.items() if isinstance(v, LoraLinear)]
+def lora_leaves(w: Mapping[str, Any]) -> list[tuple[str, int, tuple[torch.Tensor, torch.Tensor]]]:
+    """The LoRA leaves dense() made: (tensor name, adapter's block index, (A, B transposed))."""
+    return [(n, a, ab) for n, v in w.items() if isinstance(v, LoraLinear) for a, ab in v.pack.leaves.items()]
 
 
 class LayerOp:
@@ -99,9 +101,12 @@ class LayerOp:
 
     def _weights(self, run: BlockRun, k: int) -> tuple[Mapping[str, Any], list[Event]]:
         """Layer j's weights for batch k (with its rows' LoRA adapters), and what to wait for."""
-        self.e.stage(run, self.j)  # a no-op if staged already
-        w, deps = self.e.weights.get(self.j)
-        return (self.e.adapters.adapt(self.j, w, *run.adapters[k]) if run.adapters[k] else w), deps
+        e = self.e
+        e.stage(run, self.j)  # a no-op if staged already
+        w, deps = e.weights.get(self.j)
+        if run.adapters[k]:
+            w = e.adapters.adapt(self.j, w, *run.adapters[k], e.weights.slot_of(self.j))
+        return w, deps
 
     def forward(self, run: BlockRun, step: Step) -> None:
         w, h = self._inputs(run, step)
@@ -117,9 +122,11 @@ class LayerOp:
         wd = dense(w)
         leaves = lora_leaves(wd)
         run.grads[step.k], pgrads = vjp(lambda h: self.window(run, step, wd, h), x, g,
-                                        [t for _, ts in leaves for t in ts])
-        for n, (gA, gBt) in zip((n for n, _ in leaves), zip(pgrads[0::2], pgrads[1::2])):
-            acc = run.lora_grads.setdefault((self.j, n), [torch.zeros_like(gA), torch.zeros_like(gBt)])
+                                        [t for _, _, ab in leaves for t in ab])
+        block = e.adapters.block if leaves else []
+        for (n, a, _), gA, gBt in zip(leaves, pgrads[0::2], pgrads[1::2]):
+            acc = run.lora_grads.setdefault((self.j, n), {}).setdefault(
+                block[a], [torch.zeros_like(gA), torch.zeros_like(gBt)])
             acc[0] += gA
             acc[1] += gBt
         e.weights.was_read(self.j, e.lanes.compute.mark())
@@ -141,8 +148,7 @@ class LayerOp:
         w = self.e.weights.get(self.j)[0]
         if ls.adapters is None:
             return w
-        pool = self.e.adapters
-        return pool.adapt(self.j, w, ls.adapters, frozenset(range(len(pool.index))))
+        return self.e.adapters.adapt(self.j, w, ls.adapters, None)
 
 
 class EmbedOp(LayerOp):

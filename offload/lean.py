@@ -98,7 +98,7 @@ class LeanDecoder:
         self.graphs = graphs and engine.device.type == "cuda"
         self.failed = False  # a capture failed once: this engine decodes eagerly from then on
         self.T = engine.max_prompt + engine.max_gen  # cache positions every step attends over (masked)
-        self.batches: dict[tuple[int, int, bool], _Batch] = {}  # (GPU batch, rows, adapters) -> its step
+        self.batches: dict[tuple[int, int, int | None], _Batch] = {}  # (GPU batch, rows, pool version) -> its step
         self.pool: object | None = None  # the graphs' memory pool
 
     @staticmethod
@@ -118,7 +118,8 @@ class LeanDecoder:
         batches = []
         for k, st in enumerate(run.states):
             ada = run.adapters[k][0] if run.adapters[k] else None
-            key = (k, st.n, ada is not None)  # a batch with adapters has its own graph
+            # a batch with adapters has its own graph, reading the pool's buffers of now
+            key = (k, st.n, e.adapters.version if ada is not None else None)
             if key not in self.batches:
                 self.batches[key] = _Batch(self, k, st.n, T, e.device, ada is not None)
             batches.append(self.batches[key])

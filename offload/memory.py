@@ -52,10 +52,9 @@ class MemoryPlan:
 
 def plan_memory(spec: ModelSpec, layouts: list[Layout], kv_rec_bytes: int, policy: Policy,
                 max_prompt: int, max_gen: int, dtype: torch.dtype, cuda: bool, training: bool = False,
-                adapter_bytes: int = 0) -> MemoryPlan:
+                adapters: dict[str, int] | None = None) -> MemoryPlan:
     """What each tier holds for a policy; with `training`, windows of up to max_prompt tokens
-    also stash every layer's input for the reverse sweep; `adapter_bytes` of LoRA adapters sit on
-    the compute device."""
+    also stash every layer's input for the reverse sweep; `adapters`: LoRA adapter bytes per tier."""
     elem = dtype.itemsize
     plan = MemoryPlan()
     plan.add("weights", weight_bytes(plan_weights(layouts, policy), weight_slots(policy.cpu_cache_compute)))
@@ -63,8 +62,8 @@ def plan_memory(spec: ModelSpec, layouts: list[Layout], kv_rec_bytes: int, polic
     plan.add("activations", act_bytes(spec, elem, policy, max_prompt))
     if training:
         plan.add("stash", stash_bytes(spec, elem, policy, max_prompt))
-    if adapter_bytes:
-        plan.add("adapters", {"gpu": adapter_bytes})
+    if adapters and any(adapters.values()):
+        plan.add("adapters", adapters)
     pinned = 4 * CHUNK if (cuda and plan.total("disk") > 0) else 0  # disk bounce buffers
     if policy.cpu_cache_compute and cuda:
         # CPU attention's sets of q, k, v and output buffers (offload.host_io.HostIO)

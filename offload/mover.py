@@ -89,6 +89,18 @@ class Mover:
 
         return (self.lanes.load if lane == "load" else self.lanes.store).run(fn, deps)
 
+    def copy_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], deps: Iterable[Event] = ()) -> Event:
+        """Many small memory-to-memory copies (dst, src tensors of equal size) in one task on the
+        load lane: a layer's LoRA pages, one per adapter."""
+        for d, s in pairs:
+            self._count(span_of(d), span_of(s))
+
+        def fn() -> None:
+            for d, s in pairs:  # into buffers that live as long as the pool: nothing to record
+                d.copy_(s, non_blocking=True)
+
+        return self.lanes.load.run(fn, deps)
+
     def _paced(self, dst: Span, src: Span, deps: Iterable[Event]) -> Event:
         """A large host-to-device copy enqueued chunk by chunk, never more than IN_FLIGHT chunks
         ahead of the link (on the feed thread), so the small copies CPU attention makes on streams

@@ -19,6 +19,7 @@ from tqdm import tqdm
 from flexoff.errors import MemoryBudgetError
 from flexoff.models.base import Family
 from flexoff.models.spec import ModelSpec
+from flexoff.offload.adapters import Need
 from flexoff.offload.engine import Engine
 from flexoff.offload.kvcache import KVCodec
 from flexoff.offload.layout import WeightFormat
@@ -40,8 +41,8 @@ class Residency:
         self.weights: WeightStore | None = None  # the store the current engine uses
 
     def engine(self, policy: Policy, fmt: WeightFormat, codec: KVCodec, max_prompt: int, max_gen: int,
-               read: ReadLayer, read_device: torch.device, progress: bool = False, adapter_bytes: int = 0,
-               training: bool = False) -> Engine:
+               read: ReadLayer, read_device: torch.device, progress: bool = False, adapter_need: Need = Need(),
+               adapter_host_bytes: int = 0, training: bool = False) -> Engine:
         """A new engine for the policy, its weights kept, moved or read (through `read`, onto
         `read_device`, then placed)."""
         if self.tiers is None:
@@ -60,7 +61,7 @@ class Residency:
                           max_gen=max_gen, offload_dir=self.offload_dir, budgets=self.budgets, weight_format=fmt,
                           kv_codec=codec, tiers=self.tiers, weights=old if reuse else None,
                           credit=self._credit(old), moving=old.splits if old is not None and not reuse else None,
-                          adapter_bytes=adapter_bytes, training=training)
+                          adapter_need=adapter_need, adapter_host_bytes=adapter_host_bytes, training=training)
         try:
             engine = build(old)
         except MemoryBudgetError:

@@ -11,12 +11,15 @@ prefetch and get).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import torch
 
 from flexoff.models.base import LayerSpec, materialize
 from flexoff.offload.lanes import Event, Lanes, Tracked
+
+if TYPE_CHECKING:
+    from flexoff.offload.adapters import AdapterPool
 from flexoff.offload.layout import Layout, WeightFormat
 from flexoff.offload.mover import Mover, Span
 from flexoff.offload.placement import TIERS, ByteSplit, byte_split
@@ -80,6 +83,7 @@ class WeightStore:
         self._views: dict[tuple[int, int], dict[str, Any]] = {}
         self.lanes: Lanes | None = None
         self.mover: Mover | None = None
+        self.adapters: AdapterPool | None = None  # LoRA pages that ride each layer's staging (set per block)
 
     def bind(self, lanes: Lanes, mover: Mover) -> None:
         """Copy through this engine's lanes from now on."""
@@ -171,6 +175,21 @@ class WeightStore:
                 src = Span(home[tier], lo - base, hi - lo)
                 ev = self.mover.copy(Span(slot.buf, lo - s.stage, hi - lo), src, deps, lane="load")
                 slot.track.wrote(ev)
+        if self.adapters is not None:  # the block's LoRA of this layer goes along, into the slot's pages
+            for ev in self.adapters.stage(j, idx, deps, self.mover):
+                slot.track.wrote(ev)
+
+    def forget(self) -> None:
+        """Slots keep their bytes but count as holding no layer (a new block's adapter pages must
+        be staged with each layer again); readers still in flight are still waited for."""
+        for slot in self.slots:
+            slot.track.tag = None
+            slot.used = (0, -1)
+        self._in_slot.clear()
+
+    def slot_of(self, j: int) -> int | None:
+        """The slot staging layer j (None: resident or not staged)."""
+        return self._in_slot.get(j)
 
     def _victim(self) -> int:
         """The slot a new layer goes into: of the slots read since they were filled, the one read

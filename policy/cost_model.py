@@ -24,7 +24,7 @@ Names follow the FlexGen paper:
 | cpu_flops, cpu_attn_bdw | CPU attention FLOP/s, and the KV bytes/s it reads |
 | ctog, gtoc, dtoc, ctod, comp | a layer's seconds of each transfer, and of compute |
 | host, host_step_s | a layer's seconds of host work: one engine step per GPU batch (not in FlexGen) |
-| lora_W, lora_F | LoRA adapters held on the GPU: bytes per rank on every linear, and delta FLOPs per token (not in FlexGen) |
+| lora_W, lora_F | LoRA: bytes of the adapters a block uses on every linear, and delta FLOPs per token (not in FlexGen); held on the GPU beside resident weights, else paged with each layer's weights (link traffic, a page per weight slot) |
 | T_pre, T_gen | a layer's prefill time, and its average decode time per token |
 | T | block latency: sum over layers of T_pre + (n - 1) T_gen |
 """
@@ -49,7 +49,19 @@ class Workload:
     gen_len: int  # n
     elem_bytes: int = 2  # compute dtype
     num_prompts: int | None = None  # sequences in the job (None: unbounded)
-    lora_ranks: tuple[float, ...] = ()  # LoRA adapters held on the GPU: each one's rank on every linear layer
+    lora_ranks: tuple[float, ...] = ()  # LoRA adapters the job uses: each one's rank on every linear layer
+
+
+def lora_per_block(work: Workload, bls: int) -> tuple[int, float]:
+    """How many adapters a block of bls rows uses, and their mean rank. Rows are grouped by
+    adapter, so a block of bls out of N rows spread over A adapters uses about bls * A / N + 1."""
+    ranks = work.lora_ranks
+    if not ranks:
+        return 0, 0.0
+    used = min(len(ranks), bls)
+    if work.num_prompts:
+        used = min(used, -(-bls * len(ranks) // work.num_prompts) + 1)
+    return used, sum(ranks) / len(ranks)
 
 
 @dataclass(frozen=True)
@@ -102,12 +114,11 @@ class CostModel:
         self.W_total = sum(self.count[k] * self.W[k] for k in KINDS)
         self.W_max = max(self.W.values())
         self.slots = weight_slots(choice.cpu_cache_compute)  # the engine's GPU weight slots
-        # LoRA: values each adapter holds per rank, and each row's delta FLOPs per token (rows spread
-        # evenly over the adapters: their mean rank)
-        self.lora_W = sum(spec.lora_width(j) for j in range(len(spec.layers))) * eb
-        ranks = work.lora_ranks
-        self.lora_bytes = sum(ranks) * self.lora_W
-        self.lora_F = {k: 2 * (sum(ranks) / len(ranks) if ranks else 0.0) * spec.lora_width(first[k]) for k in KINDS}
+        # LoRA: the adapters a block uses, of the mean rank; each row's delta FLOPs per token
+        used, mean = lora_per_block(work, choice.bls)
+        self.lora_layer = {k: used * mean * spec.lora_width(first[k]) * eb for k in KINDS}  # bytes per layer
+        self.lora_bytes = used * mean * sum(spec.lora_width(j) for j in range(len(spec.layers))) * eb
+        self.lora_F = {k: 2 * mean * spec.lora_width(first[k]) for k in KINDS}
 
     # ---- time ----------------------------------------------------------
     def terms(self, x: Mapping[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:
@@ -126,8 +137,9 @@ class CostModel:
             for stage in ("p", "g"):
                 tok = s if stage == "p" else 1  # tokens per sequence this step
                 act = bls * tok * self.A
-                t = {
-                    "ctog": ((x["wc"] + x["wd"]) * W + (x["hc"] + x["hd"]) * act * h_in) / hw.ctog_bdw,
+                t = {  # streamed weights bring the block's LoRA pages of the layer along
+                    "ctog": ((x["wc"] + x["wd"]) * (W + self.lora_layer[k]) + (x["hc"] + x["hd"]) * act * h_in)
+                    / hw.ctog_bdw,
                     "gtoc": (x["hc"] + x["hd"]) * act * h_out / hw.gtoc_bdw_hidden,
                     "dtoc": (x["wd"] * W + x["hd"] * act * h_in) / hw.dtoc_bdw,
                     "ctod": x["hd"] * act * h_out / hw.ctod_bdw_hidden,
@@ -179,7 +191,8 @@ class CostModel:
         working += self.spec.inflight_bytes(ch.gpu_batch_size, s, self.work.elem_bytes)
         return {
             "gpu": x["wg"] * self.W_total + self.slots * (1 - x["wg"]) * self.W_max + x["cg"] * cache
-            + 2 * ch.gpu_batch_size * staged * (s + n) * self.kv + x["hg"] * act + working + self.lora_bytes,
+            + 2 * ch.gpu_batch_size * staged * (s + n) * self.kv + x["hg"] * act + working
+            + x["wg"] * self.lora_bytes + self.slots * (1 - x["wg"]) * max(self.lora_layer.values()),
             "cpu": x["wc"] * self.W_total + x["cc"] * cache + x["hc"] * act,
             "disk": x["wd"] * self.W_total + x["cd"] * cache + x["hd"] * act,
         }

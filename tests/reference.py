@@ -128,3 +128,31 @@ def make_adapters(path, name: str, root) -> dict[str, str]:
         model.save_pretrained(root / key)
         out[key] = str(root / key)
     return out
+
+
+def peft_losses(path, init, batches, cfg, steps: int, device: str = "cpu"):
+    """PEFT + torch.optim.AdamW on the same batches (BatchInputs with labels): each step's loss,
+    and the trained model."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from flexoff.offload.block import IGNORE
+
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path).float().to(device), init,
+                                      is_trainable=True)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    losses = []
+    for s in range(steps):
+        inp = batches[s % len(batches)]
+        mask = inp.valid.long().to(device)
+        logits = model(input_ids=inp.ids.to(device), attention_mask=mask,
+                       position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), inp.labels.to(device).flatten(),
+                                                 ignore_index=IGNORE)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+    return losses, model

@@ -75,12 +75,15 @@ def new_adapter(spec: Any, lora: LoraSpec, folder: Path, seed: int) -> None:
 
 def finetune(llm: Any, data: str, output: str, *, lora: LoraSpec | None = None, init_adapter: str | None = None,
              steps: int | None = None, epochs: float | None = None, cfg: TrainConfig = TrainConfig(),
-             max_seq_len: int = 1024, seed: int = 0, progress: bool = True, save_every: int = 10) -> list[float]:
+             max_seq_len: int = 1024, seed: int = 0, progress: bool = True, save_every: int = 10,
+             eval_data: str | None = None) -> list[float]:
     """Train a LoRA adapter of llm's model on a JSONL file; the PEFT folder lands in `output`,
-    with a checkpoint every `save_every` steps that the same call continues after a kill.
-    Returns the loss of every step."""
-    examples = read_examples(data, llm.tokenizer, min(max_seq_len, llm.model.spec.max_positions))
-    per_epoch = math.ceil(len(examples) / cfg.batch_size)
+    with a checkpoint every `save_every` steps that the same call continues after a kill (and the
+    loss on `eval_data`, if given, then and at the end). Returns the loss of every step."""
+    max_len = min(max_seq_len, llm.model.spec.max_positions)
+    examples = read_examples(data, llm.tokenizer, max_len)
+    evals = read_examples(eval_data, llm.tokenizer, max_len) if eval_data is not None else None
+    per_epoch = math.ceil(len(examples) / cfg.per_step)
     total = steps if steps is not None else max(1, round((epochs or 1.0) * per_epoch))
     cfg = TrainConfig(**{**cfg.__dict__, "steps": total})
     out = Path(output)
@@ -94,7 +97,8 @@ def finetune(llm: Any, data: str, output: str, *, lora: LoraSpec | None = None, 
                                cfg, total, seed, max_seq_len)
     try:
         with OutputLock(str(out)):  # one run per output folder
-            return _train(llm, examples, init_adapter, out, cfg, total, seed, progress, save_every, fingerprint)
+            return _train(llm, examples, init_adapter, out, cfg, total, seed, progress, save_every, fingerprint,
+                          evals)
     finally:
         if made is not None:
             shutil.rmtree(made, ignore_errors=True)
@@ -129,7 +133,7 @@ def _write_atomic(path: Path, state: dict[str, Any]) -> None:
 
 
 def _train(llm: Any, examples: list[Any], init_adapter: str, out: Path, cfg: TrainConfig, total: int, seed: int,
-           progress: bool, save_every: int, fingerprint: str) -> list[float]:
+           progress: bool, save_every: int, fingerprint: str, evals: list[Any] | None = None) -> list[float]:
     llm.load_lora("__training__", init_adapter)
     trainer = LoraTrainer(llm, "__training__", cfg)
     rng = random.Random(seed)
@@ -151,12 +155,12 @@ def _train(llm: Any, examples: list[Any], init_adapter: str, out: Path, cfg: Tra
         mf.writelines(json.dumps(m) + "\n" for m in metrics)  # the steps the checkpoint holds
         mf.flush()
         for step in range(start, total):
-            while len(order) < cfg.batch_size:  # epochs of the data, each in a new shuffled order
+            while len(order) < cfg.per_step:  # epochs of the data, each in a new shuffled order
                 epoch = list(range(len(examples)))
                 rng.shuffle(epoch)
                 order += epoch
-            batch = [examples[i] for i in order[:cfg.batch_size]]
-            del order[:cfg.batch_size]
+            batch = [examples[i] for i in order[:cfg.per_step]]
+            del order[:cfg.per_step]
             t0 = time.perf_counter()
             lr = trainer.opt.param_groups[0]["lr"]
             loss = trainer.step(batch)
@@ -164,11 +168,15 @@ def _train(llm: Any, examples: list[Any], init_adapter: str, out: Path, cfg: Tra
             tokens = sum(len(e.ids) for e in batch)
             losses.append(loss)
             metrics.append({"step": step + 1, "loss": loss, "lr": lr, "tokens": tokens, "seconds": dt})
+            saving = (step + 1) % save_every == 0 or step + 1 == total
+            if saving and evals:
+                metrics[-1]["eval_loss"] = trainer.eval_loss(evals)
             mf.write(json.dumps(metrics[-1]) + "\n")
             mf.flush()
             bar.update(1)
-            bar.set_postfix_str(f"loss {loss:.4f}, {tokens / dt:.0f} tok/s")
-            if (step + 1) % save_every == 0 or step + 1 == total:
+            ev = f", eval {metrics[-1]['eval_loss']:.4f}" if "eval_loss" in metrics[-1] else ""
+            bar.set_postfix_str(f"loss {loss:.4f}{ev}, {tokens / dt:.0f} tok/s")
+            if saving:
                 _write_atomic(ckpt, {"fingerprint": fingerprint, "step": step + 1, "trainer": trainer.state(),
                                      "rng": rng.getstate(), "order": order, "losses": losses, "metrics": metrics})
     trainer.save(str(out))

@@ -1,8 +1,9 @@
 """LoRA training steps through the engine: AdamW on one adapter's A and B, the base frozen and
 streamed through the tiers by the engine's forward and reverse sweeps.
 
-Knows: the adapter's parameters in float32 (the master copy; the engine's adapter pool holds
-them in the compute dtype and is refreshed after every step), a step over a batch of examples
+Knows: the adapter's parameters in float32 on the compute device, with AdamW's state (the
+master copy; the engine's adapter pool holds them in the compute dtype and is refreshed after
+every step), a step over a batch of examples
 (left-padded rows, next-token labels where the example's loss mask says, the loss averaged over
 the step's labelled tokens, split into as many engine blocks as the batch needs, each block's
 gradients weighted by its share of the tokens), gradient clipping by global norm, AdamW with a
@@ -30,7 +31,8 @@ from flexoff.offload.block import IGNORE, BatchInput
 @dataclass(frozen=True)
 class TrainConfig:
     lr: float = 2e-4
-    batch_size: int = 8  # examples per step
+    batch_size: int = 8  # examples per micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step (their tokens share one mean loss)
     max_grad_norm: float | None = 1.0  # clip the adapter's gradient to this global norm (None: no clipping)
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
@@ -42,8 +44,13 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.schedule not in ("constant", "linear", "cosine"):
             raise InputError(f"schedule must be constant, linear or cosine, got {self.schedule!r}")
-        if not self.lr > 0 or self.batch_size < 1 or self.warmup < 0:
-            raise InputError("lr must be > 0, batch_size >= 1 and warmup >= 0")
+        if not self.lr > 0 or self.batch_size < 1 or self.grad_accum < 1 or self.warmup < 0:
+            raise InputError("lr must be > 0, batch_size and grad_accum >= 1 and warmup >= 0")
+
+    @property
+    def per_step(self) -> int:
+        """Examples per optimizer step."""
+        return self.batch_size * self.grad_accum
 
 
 def lr_factor(cfg: TrainConfig, step: int) -> float:
@@ -80,8 +87,10 @@ class LoraTrainer:
         self.llm, self.name, self.cfg = llm, name, cfg
         self.adapter = llm.adapters[name]
         self.params: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        dev = llm.device  # the master weights and AdamW's state live beside the compute
         for key, m in sorted(self.adapter.modules.items()):
-            m.A, m.B = m.A.detach().clone().requires_grad_(True), m.B.detach().clone().requires_grad_(True)
+            m.A = m.A.detach().to(dev, torch.float32, copy=True).requires_grad_(True)
+            m.B = m.B.detach().to(dev, torch.float32, copy=True).requires_grad_(True)
             self.params[key] = (m.A, m.B)
         flat = [t for ab in self.params.values() for t in ab]
         self.opt = torch.optim.AdamW(flat, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
@@ -93,10 +102,10 @@ class LoraTrainer:
         llm = self.llm
         max_len = max(len(e.ids) for e in examples)
         policy = llm.choose_policy_for_training(len(examples))
-        engine = llm.engine_for(policy, max_len, 1, training=True)
-        engine.adapters = pool = llm.adapter_pool()
-        pool_index = pool.index[self.name]
-        gbs, per_block = policy.gpu_batch_size, policy.block_size
+        pool = llm.adapter_pool()
+        engine = llm.engine_for(policy, max_len, 1, training=True, need=pool.need([[self.name]]))
+        engine.adapters = pool
+        gbs, per_block = policy.gpu_batch_size, min(policy.block_size, self.cfg.batch_size)
         tokens = sum(sum(e.loss[1:]) for e in examples)
         loss = 0.0
         grads = {key: [torch.zeros_like(a), torch.zeros_like(b)] for key, (a, b) in self.params.items()}
@@ -107,12 +116,11 @@ class LoraTrainer:
             res = engine.run_train(batches)
             share = res.tokens / tokens  # this block's losses were averaged over its own tokens
             loss += res.loss * share
-            for key, (gA, gBt) in res.lora_grads.items():
-                if key in grads:
-                    p = pool.packs[key]
-                    o, r = int(p.offset[pool_index]), p.ranks[pool_index]
-                    grads[key][0] += gA[o:o + r].float().cpu() * share
-                    grads[key][1] += gBt[o:o + r].t().float().cpu() * share
+            for key, per in res.lora_grads.items():
+                if key in grads and self.name in per:
+                    gA, gBt = per[self.name]
+                    grads[key][0] += gA.float() * share
+                    grads[key][1] += gBt.t().float() * share
         for key, (a, b) in self.params.items():
             a.grad, b.grad = grads[key]
         if self.cfg.max_grad_norm is not None:
@@ -120,13 +128,26 @@ class LoraTrainer:
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
-        self._refresh(pool, pool_index)
+        pool.refresh(self.name)  # the device copies follow the master weights
         self.steps_done += 1
         return loss
 
+    def eval_loss(self, examples: Sequence[Example]) -> float:
+        """The adapter's mean loss over the labelled tokens of these examples (no update): the
+        log-probabilities of the inference path, through the same adapter."""
+        prompts = [{"id": str(n), "prompt_ids": e.ids, "adapter": self.name} for n, e in enumerate(examples)]
+        out = self.llm.generate(prompts, max_new_tokens=0, prompt_logprobs=True).completions
+        total = count = 0.0
+        for e, c in zip(examples, out):
+            for t in range(1, len(e.ids)):
+                if e.loss[t]:
+                    total -= c.prompt_logprobs[t - 1]
+                    count += 1
+        return total / max(1.0, count)
+
     def state(self) -> dict[str, Any]:
         """Everything a later run needs to continue: the adapter, the optimizer and the schedule."""
-        params = {f"{j}:{n}": (a.detach().clone(), b.detach().clone()) for (j, n), (a, b) in self.params.items()}
+        params = {f"{j}:{n}": (a.detach().to("cpu", copy=True), b.detach().to("cpu", copy=True)) for (j, n), (a, b) in self.params.items()}
         return {"params": params, "opt": self.opt.state_dict(), "sched": self.sched.state_dict(),
                 "steps": self.steps_done}
 
@@ -139,17 +160,7 @@ class LoraTrainer:
         self.opt.load_state_dict(state["opt"])
         self.sched.load_state_dict(state["sched"])
         self.steps_done = state["steps"]
-        pool = self.llm.adapter_pool()
-        self._refresh(pool, pool.index[self.name])
-
-    def _refresh(self, pool: Any, i: int) -> None:
-        """The pool's copy of the adapter, from the master weights."""
-        with torch.no_grad():
-            for key, (a, b) in self.params.items():
-                p = pool.packs[key]
-                o, r = int(p.offset[i]), p.ranks[i]
-                p.A[o:o + r] = a.to(p.A.dtype)
-                p.Bt[o:o + r] = b.t().to(p.Bt.dtype)
+        self.llm.adapter_pool().refresh(self.name)
 
     def save(self, folder: str, base_config: dict[str, Any] | None = None) -> None:
         """The adapter as a PEFT folder (adapter_config.json, adapter_model.safetensors)."""
@@ -161,8 +172,8 @@ class LoraTrainer:
         tensors = {}
         for (j, tname), (a, b) in self.params.items():
             module = next(t.hf_names[0] for t in spec.layers[j].tensors if t.name == tname)[:-len(".weight")]
-            tensors[f"base_model.model.{module}.lora_A.weight"] = a.detach().float().contiguous()
-            tensors[f"base_model.model.{module}.lora_B.weight"] = b.detach().float().contiguous()
+            tensors[f"base_model.model.{module}.lora_A.weight"] = a.detach().float().cpu().contiguous()
+            tensors[f"base_model.model.{module}.lora_B.weight"] = b.detach().float().cpu().contiguous()
         cfg = dict(base_config or json.loads((Path(self.adapter.path) / "adapter_config.json").read_text()))
         cfg["inference_mode"] = True
         tmp = out / "adapter_model.safetensors.tmp"

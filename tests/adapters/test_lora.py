@@ -178,10 +178,24 @@ def test_adapters_are_counted_by_the_plan_and_the_cost_model(tiny, tmp_path, cap
     path = tiny["llama"].path
     adapters = make_adapters(path, "llama", tmp_path)
     with LLM(str(path), lora=adapters) as llm:
+        b = llm.adapters["b"]
+        host = sum(a.numel for a in llm.adapters.values()) * 4  # float32 on this CPU
         llm.generate([{"prompt_ids": [1, 2, 3], "adapter": "b"}], max_new_tokens=2)
         pool = llm.adapter_pool()
-        held = sum(t.numel() * t.element_size() for p in pool.packs.values() for t in (p.A, p.Bt))
-        assert llm.engine.plan.parts["adapters"]["gpu"] == held  # what the GPU holds, counted before allocating
+        # resident weights: the block's one adapter on the device, every loaded one in host memory
+        assert llm.engine.plan.parts["adapters"] == {"gpu": b.numel * 4, "cpu": host, "disk": 0}
+        assert pool._buf.numel() == b.numel and not pool.paged
+        llm.policy_arg = Policy(gpu_batch_size=2, w_gpu_percent=0, w_cpu_percent=100)
+        llm.generate([{"prompt_ids": [1, 2, 3], "adapter": "b"}, {"prompt_ids": [4, 5], "adapter": "a"}],
+                     max_new_tokens=2)
+        per_layer = {}
+        for name in ("a", "b"):
+            for (j, _), m in llm.adapters[name].modules.items():
+                per_layer[j] = per_layer.get(j, 0) + m.A.numel() + m.B.numel()
+        slots = len(llm.engine.weights.slots)
+        # streamed weights: a page per weight slot, as large as the block's largest layer of LoRA
+        assert llm.engine.plan.parts["adapters"]["gpu"] == slots * max(per_layer.values()) * 4
+        assert pool.paged and [t.numel() for t in pool._slots] == [max(per_layer.values())] * slots
     spec = ModelSpec.from_config("dummy:llama-7b", dummy_config("llama-7b"))
     width = sum(sum(t.shape) for l in spec.layers if l.kind in ("attn", "mlp") for t in l.tensors if t.matmul)
     x = {"wg": 1, "wc": 0, "wd": 0, "cg": 1, "cc": 0, "cd": 0, "hg": 1, "hc": 0, "hd": 0}
@@ -191,10 +205,20 @@ def test_adapters_are_counted_by_the_plan_and_the_cost_model(tiny, tmp_path, cap
     mlp_width = sum(sum(t.shape) for t in spec.layers[2].tensors if t.matmul)
     extra = lora.terms(x)[("g", "mlp")]["comp"] - plain.terms(x)[("g", "mlp")]["comp"]
     assert math.isclose(extra, 8 * 2 * (88 / 3) * mlp_width / h200().mm_flops_g)
+    # 300 prompts grouped by adapter: a block of 8 uses 2 of the 3 adapters; streamed weights bring
+    # their pages of each layer over the link, and the GPU holds one page per weight slot
+    grouped = CostModel(spec, h200(), Workload(512, 32, num_prompts=300, lora_ranks=(8, 16, 64)), Choice(8, 1))
+    plain_n = CostModel(spec, h200(), Workload(512, 32, num_prompts=300), Choice(8, 1))
+    assert math.isclose(grouped.memory(x)["gpu"] - plain_n.memory(x)["gpu"], 2 * 88 / 3 * width * 2)
+    xs = {**x, "wg": 0, "wc": 1}
+    assert math.isclose(grouped.memory(xs)["gpu"] - plain_n.memory(xs)["gpu"],
+                        grouped.slots * 2 * 88 / 3 * mlp_width * 2)
+    link = grouped.terms(xs)[("g", "mlp")]["ctog"] - plain_n.terms(xs)[("g", "mlp")]["ctog"]
+    assert math.isclose(link, 2 * 88 / 3 * mlp_width * 2 / h200().ctog_bdw)
     code = main(["policy", "search", "--model", "dummy:llama-7b", "--prompt-len", "512", "--gen-len", "32",
                  "--hardware", "h200", "--gpu-mem", "80GiB", "--lora-ranks", "8,16", "--lora-adapters", "4"])
     out = capsys.readouterr().out
-    assert code == 0 and f"{(8 + 16 + 8 + 16) * width * 2 / 2**30:.2f} GiB on the GPU" in out
+    assert code == 0 and f"a block uses 4: {(8 + 16 + 8 + 16) * width * 2 / 2**30:.2f} GiB on the GPU" in out
     for bad in (["--lora-ranks", "8,x"], ["--lora-ranks", "0"], ["--lora-adapters", "3"]):
         code = main(["policy", "search", "--model", "dummy:llama-7b", "--prompt-len", "8", "--gen-len", "2",
                      "--hardware", "h200", *bad])
@@ -256,17 +280,18 @@ def test_training_sweep_lora_gradients_equal_peft_autograd(tiny, tmp_path, polic
     with LLM(str(path)) as llm:
         m = llm.model
         adapters = [load_adapter(n, made[n], m.spec) for n in ("a", "b")]
+        pool = AdapterPool(adapters, torch.device("cpu"), torch.float64)
         e = Engine(m.family, m.spec, policy, device=torch.device("cpu"), dtype=torch.float64, max_prompt=16,
-                   max_gen=1, training=True)
+                   max_gen=1, training=True, adapter_need=pool.need([[a for b in batches for a in b.adapters]]))
         try:
             e.load_weights((j, m.source.layer(j, lay, torch.float64, e.device)) for j, lay in enumerate(m.spec.layers))
-            e.adapters = pool = AdapterPool(adapters, e.device, torch.float64)
+            e.adapters = pool
             got = e.run_train(batches)
         finally:
             e.close()
     names = {t.hf_names[0][:-len(".weight")]: (j, t.name) for j, lay in enumerate(m.spec.layers)
              for t in lay.tensors if t.matmul}
-    for idx, name in enumerate(("a", "b")):
+    for name in ("a", "b"):
         model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path).double(), made[name],
                                           is_trainable=True)
         loss = 0
@@ -284,10 +309,8 @@ def test_training_sweep_lora_gradients_equal_peft_autograd(tiny, tmp_path, polic
                 continue
             module = pname.split("base_model.model.", 1)[1].rsplit(".lora_", 1)[0]
             key = names[module]
-            p = pool.packs[key]
-            o, r = int(p.offset[idx]), p.ranks[idx]
-            gA, gBt = got.lora_grads[key]
-            pairs.append((pname, gA[o:o + r] if ".lora_A." in pname else gBt[o:o + r].t(), prm.grad))
+            gA, gBt = got.lora_grads[key][name]
+            pairs.append((pname, gA if ".lora_A." in pname else gBt.t(), prm.grad))
         scale = max(float(ref.abs().max()) for _, _, ref in pairs)  # the adapter's largest gradient
         for pname, mine, ref in pairs:
             assert float((mine - ref).abs().max()) <= 1e-9 * scale, pname

@@ -15,32 +15,12 @@ from flexoff.errors import InputError
 from flexoff.finetune import LoraTrainer, TrainConfig, to_example
 from flexoff.finetune.trainer import batch_input
 from flexoff.offload.block import IGNORE
+from reference import peft_losses
 
 peft = pytest.importorskip("peft")
 
 TEXTS = ["the quick brown fox", "jumps over the lazy dog", "a b c d e f g", "hello world, hello",
          "lorem ipsum dolor", "sit amet consectetur"]
-
-
-def peft_losses(path, init, batches, cfg: TrainConfig, steps: int):
-    from peft import PeftModel
-    from transformers import AutoModelForCausalLM
-
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path).float(), init, is_trainable=True)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
-    losses = []
-    for s in range(steps):
-        inp = batches[s % len(batches)]
-        mask = inp.valid.long()
-        logits = model(input_ids=inp.ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), inp.labels.flatten(), ignore_index=IGNORE)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
-    return losses, model
 
 
 @pytest.mark.parametrize("policy", [Policy(gpu_batch_size=2, num_gpu_batches=2),
@@ -106,3 +86,54 @@ def test_loss_masks_of_the_three_shapes(tiny, tmp_path):
             to_example(bad, tok, "f line 1", 99)
     row = batch_input([pc], "a")
     assert row.labels[0].tolist() == [IGNORE] * (n - 1) + pc.ids[n:] + [IGNORE]
+
+
+def test_gradient_accumulation_equals_one_large_batch_in_peft(tiny, tmp_path):
+    """Two micro-batches of two per optimizer step: PEFT's losses on batches of four (one mean
+    over all the step's tokens)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    path = tiny["llama"].path
+    torch.manual_seed(1)
+    init = tmp_path / "init"
+    get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(r=4, lora_alpha=8, target_modules=[
+        "q_proj", "o_proj", "up_proj"])).save_pretrained(init)
+    cfg = TrainConfig(lr=5e-3, batch_size=2, grad_accum=2, max_grad_norm=0.5)
+    with LLM(str(path), policy=Policy(gpu_batch_size=2), lora={"mine": str(init)}) as llm:
+        ex = [to_example({"text": t}, llm.tokenizer, "t", 64) for t in TEXTS]
+        groups = [ex[0:4], ex[2:6]]
+        trainer = LoraTrainer(llm, "mine", cfg)
+        ours = [trainer.step(groups[s % 2]) for s in range(6)]
+    want, _ = peft_losses(path, str(init), [batch_input(g, "mine") for g in groups], cfg, 6)
+    for a, b in zip(ours, want):
+        assert abs(a - b) < 1e-4 * abs(b), (ours, want)
+
+
+def test_llm_finetune_with_eval_data_reports_peft_eval_loss(tiny, tmp_path):
+    """LLM.finetune on records: metrics carry the eval loss at each checkpoint, and the last one
+    equals PEFT's mean token loss on the eval records with the saved adapter."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    path = tiny["llama"].path
+    train = [{"text": t} for t in TEXTS]
+    evals = [{"prompt": "hello", "completion": " world, hello"}, {"text": "the lazy dog jumps"}]
+    with LLM(str(path), policy=Policy(gpu_batch_size=3)) as llm:
+        losses = llm.finetune(train, str(tmp_path / "out"), {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]},
+                              steps=4, config=TrainConfig(lr=1e-2, batch_size=3), eval_data=evals, save_every=2)
+        exs = [to_example(e, llm.tokenizer, "e", 64) for e in evals]
+    metrics = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 4 and [m["step"] for m in metrics if "eval_loss" in m] == [2, 4]
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path).float(), str(tmp_path / "out"))
+    total = count = 0.0
+    with torch.no_grad():
+        for e in exs:
+            lp = model(torch.tensor([e.ids])).logits[0, :-1].log_softmax(-1)
+            for t in range(1, len(e.ids)):
+                if e.loss[t]:
+                    total -= float(lp[t - 1, e.ids[t]])
+                    count += 1
+    assert abs(metrics[-1]["eval_loss"] - total / count) < 1e-4
+    cfg = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert cfg["r"] == 4 and cfg["target_modules"] == ["q_proj"]

@@ -206,3 +206,36 @@ def test_lora_adapters_on_the_gpu_equal_peft(tiny, tmp_path):
             llm.policy_arg = policy
             got = llm.generate([{"prompt_ids": p, "adapter": a} for a, p in zip(assign, PROMPTS)], max_new_tokens=8)
             assert [c.token_ids for c in got.completions] == want, policy.describe()
+
+
+@pytest.mark.parametrize("policy", [Policy(gpu_batch_size=2, num_gpu_batches=2),
+                                    Policy(gpu_batch_size=2, w_gpu_percent=0, w_cpu_percent=100,
+                                           stash_gpu_percent=0, stash_cpu_percent=100)],
+                         ids=["resident", "streamed"])
+def test_finetune_steps_on_the_gpu_equal_peft(tiny, tmp_path, policy):
+    """float32 on the GPU: AdamW steps through the engine (master weights and optimizer on the GPU;
+    streamed: weights, LoRA pages and the stash through CPU memory) give PEFT + AdamW's losses."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from flexoff.finetune import LoraTrainer, TrainConfig, to_example
+    from flexoff.finetune.trainer import batch_input
+    from reference import peft_losses
+
+    path = tiny["llama"].path
+    torch.manual_seed(0)
+    init = tmp_path / "init"
+    get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(r=4, lora_alpha=8, target_modules=[
+        "q_proj", "v_proj", "down_proj"])).save_pretrained(init)
+    cfg = TrainConfig(lr=5e-3, batch_size=4, max_grad_norm=0.5)
+    texts = ["the quick brown fox", "jumps over the lazy dog", "a b c d e f g", "hello world, hello",
+             "lorem ipsum dolor", "sit amet consectetur"]
+    with LLM(str(path), policy=policy, device="cuda", dtype="float32", lora={"mine": str(init)}) as llm:
+        ex = [to_example({"text": t}, llm.tokenizer, "t", 64) for t in texts]
+        groups = [ex[0:4], ex[2:6]]
+        trainer = LoraTrainer(llm, "mine", cfg)
+        ours = [trainer.step(groups[s % 2]) for s in range(8)]
+    want, _ = peft_losses(path, str(init), [batch_input(g, "mine") for g in groups], cfg, 8, device="cuda")
+    assert ours[0] > ours[-1] + 0.1
+    for a, b in zip(ours, want):  # TF32 is off by default for float32 matmuls in both
+        assert abs(a - b) < 1e-3 * abs(b), (ours, want)

@@ -1,43 +1,63 @@
-"""The per-row LoRA kernel against its reference (on the CPU via TRITON_INTERPRET=1): adapters of
-mixed ranks packed without padding, rows on the base model among them, prefill and decode
-shapes, odd sizes and dtypes."""
+"""The two-pass LoRA kernels against their reference and against plain matmuls (on the CPU via
+TRITON_INTERPRET=1): adapters of mixed ranks scattered through one buffer (in another order,
+with gaps), rows on the base model among them, decode shapes (one token per row) and prefill
+shapes (tiles through tl.dot), odd sizes and dtypes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from flexoff.adapters.peft import Adapter, LoraModule
 from flexoff.kernels import lora as L
-from flexoff.offload.adapters import pack
 
 pytestmark = pytest.mark.skipif(not L.HAVE_TRITON, reason="triton is not installed")
 
 
-def adapters(ranks: list[int], fin: int, fout: int) -> list[Adapter]:
-    out = []
-    for i, r in enumerate(ranks):
-        mods = {} if r == 0 else {(1, "w"): LoraModule(torch.randn(r, fin), torch.randn(fout, r), 0.5 + i)}
-        out.append(Adapter(f"a{i}", "", mods))
-    return out
+def scattered(ranks: list[int], fin: int, fout: int, dtype: torch.dtype, seed: int):
+    """A pack whose adapters lie in reverse order with gaps, and each adapter's (A, B, scale)."""
+    g = torch.Generator().manual_seed(seed)
+    mats = [(torch.randn(r, fin, generator=g), torch.randn(fout, r, generator=g), 0.5 + i)
+            for i, r in enumerate(ranks)]
+    buf = torch.full((sum(r * (fin + fout) + 7 for r in ranks) + 3,), float("nan"), dtype=dtype)
+    at, a_off, b_off = 3, [0] * len(ranks), [0] * len(ranks)
+    for i in reversed(range(len(ranks))):
+        A, B, _ = mats[i]
+        r = ranks[i]
+        a_off[i], b_off[i] = at, at + r * fin + 5
+        buf[a_off[i]:a_off[i] + r * fin] = A.flatten().to(dtype)
+        buf[b_off[i]:b_off[i] + r * fout] = B.t().flatten().to(dtype)
+        at = b_off[i] + r * fout + 2
+    pack = L.LoraPack(buf, torch.tensor(a_off), torch.tensor(b_off), torch.tensor(ranks, dtype=torch.int32),
+                      torch.tensor([m[2] for m in mats], dtype=torch.float32), fin, fout, max(ranks),
+                      tuple(ranks), tuple(a_off), tuple(b_off), tuple(m[2] for m in mats))
+    return pack, mats
 
 
 @pytest.mark.parametrize("n,s,fin,fout,ranks,ids", [
     (5, 1, 37, 70, [3, 16, 0, 1], [0, -1, 1, 3, 0]),
-    (3, 4, 64, 33, [8, 64], [1, 0, -1]),
+    (3, 4, 600, 33, [8, 64], [1, 0, -1]),
     (2, 1, 130, 96, [256, 2], [0, 1]),
     (4, 2, 16, 16, [5], [-1, -1, 0, -1]),
+    (3, 20, 45, 70, [4, 32, 0], [1, 2, 0]),  # prefill: tl.dot tiles, a partial tile
+    (2, 70, 520, 40, [64, 8], [0, 1]),  # prefill: two tiles of tokens, two splits of the input
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_kernel_equals_reference(n, s, fin, fout, ranks, ids, dtype):
+def test_kernel_equals_reference_and_matmuls(n, s, fin, fout, ranks, ids, dtype):
     torch.manual_seed(n * 7 + fin)
-    p = pack(adapters(ranks, fin, fout), (1, "w"), torch.device("cpu"), dtype)
+    p, mats = scattered(ranks, fin, fout, dtype, n + s)
     x = torch.randn(n, s, fin).to(dtype)
     y = torch.randn(n, s, fout).to(dtype)
     idx = torch.tensor(ids, dtype=torch.int32)
     want = L.lora_delta_ref(x, y.clone(), idx, p)
     got = L.lora_delta_triton(x, y.clone(), idx, p)
+    plain = y.double().clone()  # each row's delta from its own adapter, in float64
+    for r, a in enumerate(ids):
+        if a >= 0 and ranks[a]:
+            A, B, sc = mats[a]
+            plain[r] += sc * (x[r].double() @ A.to(dtype).double().t()) @ B.to(dtype).double().t()
     tol = 1e-4 if dtype == torch.float32 else 2e-2
-    assert (got.float() - want.float()).abs().max() <= tol * want.float().abs().max()
+    scale = plain.abs().max()
+    assert (got.double() - plain).abs().max() <= tol * scale
+    assert (want.double() - plain).abs().max() <= tol * scale
     base_rows = [r for r, a in enumerate(ids) if a < 0 or ranks[a] == 0]
     assert torch.equal(got[base_rows], y[base_rows])  # rows without LoRA untouched

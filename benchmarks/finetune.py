@@ -1,0 +1,148 @@
+"""LoRA finetuning throughput on the GPU: flexoff's trainer against PEFT + transformers training on
+the same dummy weights, in one run.
+
+Knows: a fresh LoRA adapter (rank r on every linear layer, as PEFT's LoraConfig with all
+linear target modules), batches of `batch` random sequences of `seq` tokens with the loss on
+every token, AdamW; flexoff steps through its engine (a forward sweep that stashes each
+layer's input, a reverse sweep of vector-Jacobian products through the frozen base) under a
+policy (default: everything on the GPU); PEFT steps through `loss.backward()` on the same
+model weights placed on the GPU (`--peft-gpu-mem` caps the GPU as Accelerate's device_map
+does, for models that do not fit). Training tokens per second over `steps` timed steps after
+`warmup` steps; the loss of every step is written beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import environment, table, write_jsonl  # noqa: E402
+
+
+def batches(vocab: int, batch: int, seq: int, count: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (batch, seq), generator=g) for _ in range(count)]
+
+
+def flexoff_run(args: argparse.Namespace) -> dict[str, Any]:
+    from flexoff import LLM, Policy
+    from flexoff.finetune.data import Example
+    from flexoff.finetune.run import LoraSpec, new_adapter
+    from flexoff.finetune.trainer import LoraTrainer, TrainConfig
+
+    policy = Policy.load(args.policy) if args.policy else Policy(gpu_batch_size=args.batch)
+    if args.compress_weight:
+        policy = replace(policy, compress_weight=True)
+    with LLM(args.model, policy=policy, device="cuda", dtype=torch.float16, gpu_mem=args.gpu_mem,
+             cpu_mem=args.cpu_mem) as llm:
+        spec = llm.model.spec
+        folder = Path(args.work) / "fresh"
+        targets = sorted({t.hf_names[0].rsplit(".", 2)[-2] for l in spec.layers if l.kind in ("attn", "mlp")
+                          for t in l.tensors if t.matmul})
+        new_adapter(spec, LoraSpec(args.rank, 2 * args.rank, targets), folder, 0)
+        llm.load_lora("train", str(folder))
+        trainer = LoraTrainer(llm, "train", TrainConfig(lr=1e-4, batch_size=args.batch))
+        data = batches(spec.vocab_size, args.batch, args.seq, args.warmup + args.steps, args.seed)
+        losses, t0 = [], 0.0
+        for i, ids in enumerate(data):
+            if i == args.warmup:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+            exs = [Example(row.tolist(), [False] + [True] * (args.seq - 1)) for row in ids]
+            losses.append(trainer.step(exs))
+        torch.cuda.synchronize()
+        sec = time.perf_counter() - t0
+        return {"system": "flexoff", "policy": llm.choose_policy_for_training(args.batch).describe(),
+                "step_s": sec / args.steps, "train_tokens_per_s": args.steps * args.batch * args.seq / sec,
+                "losses": losses, "peak_gpu_bytes": torch.cuda.max_memory_allocated()}
+
+
+def peft_run(args: argparse.Namespace) -> dict[str, Any]:
+    from peft import LoraConfig, get_peft_model
+
+    from baseline import hf_model
+
+    model, device_map, _, spec = hf_model(args.model, args.seq, 0, args.batch,
+                                          args.peft_gpu_mem, None, torch.float16)
+    targets = sorted({t.hf_names[0].rsplit(".", 2)[-2] for l in spec.layers if l.kind in ("attn", "mlp")
+                      for t in l.tensors if t.matmul})
+    pm = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=targets))
+    for p in pm.parameters():  # trainable LoRA weights in float32, as the trainer keeps them
+        if p.requires_grad:
+            p.data = p.data.float()
+    pm.train()
+    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-4)
+    data = batches(spec.vocab_size, args.batch, args.seq, args.warmup + args.steps, args.seed)
+    losses, t0 = [], 0.0
+    for i, ids in enumerate(data):
+        if i == args.warmup:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+        ids = ids.cuda()
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = pm(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_([p for p in pm.parameters() if p.requires_grad], 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    torch.cuda.synchronize()
+    sec = time.perf_counter() - t0
+    on_gpu = sum(1 for v in device_map.values() if v == 0)
+    return {"system": "peft", "policy": f"{on_gpu} of {len(device_map)} modules on the GPU",
+            "step_s": sec / args.steps, "train_tokens_per_s": args.steps * args.batch * args.seq / sec,
+            "losses": losses, "peak_gpu_bytes": torch.cuda.max_memory_allocated()}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="dummy:llama-7b")
+    ap.add_argument("--policy", default=None, help="flexoff's policy string (default: everything on the GPU)")
+    ap.add_argument("--gpu-mem", default=None)
+    ap.add_argument("--cpu-mem", default=None)
+    ap.add_argument("--peft-gpu-mem", default=None, help="GPU budget for PEFT's Accelerate placement")
+    ap.add_argument("--compress-weight", action="store_true", help="flexoff: 4-bit base weights")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--systems", default="flexoff,peft")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--work", default="/tmp/flexoff-finetune-bench")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/out/finetune.jsonl"))
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("finetune.py measures on a GPU; no CUDA device here", file=sys.stderr)
+        return 2
+    from flexoff.validate import size
+
+    args.peft_gpu_mem = size(args.peft_gpu_mem)
+    env = environment()
+    rows = []
+    for system in args.systems.split(","):
+        torch.cuda.reset_peak_memory_stats()
+        rows.append({"flexoff": flexoff_run, "peft": peft_run}[system](args))
+        gc.collect()
+        torch.cuda.empty_cache()
+    peft = next((r for r in rows if r["system"] == "peft"), None)
+    for r in rows:
+        r.update(model=args.model, rank=args.rank, batch=args.batch, seq=args.seq, steps=args.steps,
+                 compress_weight=args.compress_weight and r["system"] == "flexoff", **env)
+        r["vs_peft"] = r["train_tokens_per_s"] / peft["train_tokens_per_s"] if peft else None
+    print(table(rows, ["system", "policy", "step_s", "train_tokens_per_s", "vs_peft"]))
+    write_jsonl(args.out, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

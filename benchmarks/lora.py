@@ -1,0 +1,254 @@
+"""Batched LoRA on the GPU: many adapters of mixed ranks against the same run without LoRA, PEFT's
+mixed-adapter generation, and the kernels' memory bandwidth.
+
+Knows: three parts, each comparison measured in one run:
+- `population`: flexoff on a model (GPU-resident llama-7b by default, or any policy) generating
+  for prompts that each draw an adapter uniformly at random from a population (1000 adapters,
+  ranks drawn from 8/16/32/64, on every linear layer), against the same prompts without LoRA;
+  "warm" runs find the adapters already on the device (a job whose blocks reuse them), "cold"
+  runs copy every adapter of the block first (a block of adapters not seen before). Only the
+  adapters the prompts draw are made (random values, made on the device, kept in host memory).
+- `peft`: Hugging Face PEFT's `generate(..., adapter_names=...)` and flexoff on the same dummy
+  weights, batch 32, with no adapter, one adapter for every row, and a distinct rank-8 adapter
+  per row on all linear layers: each system's ratios to its own no-LoRA run and the speedup.
+- `kernel`: the shrink/expand kernels at decode shapes (one token per row, every row its own
+  adapter), bytes they must read (the rows' adapters, x, y twice) over their time, against
+  the device's copy bandwidth.
+Throughput is generated tokens over the whole run (prefill included); the decode step is the
+time for gen_len tokens less the time for one, over gen_len - 1. Prints a table, writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import environment, table, write_jsonl  # noqa: E402
+
+RANKS = (8, 16, 32, 64)
+
+
+def random_adapter(name: str, spec: Any, rank: int, device: torch.device, seed: int) -> Any:
+    """An adapter of one rank on every linear layer, random values (std 0.01), in float16 host memory."""
+    from flexoff.adapters.peft import Adapter, LoraModule
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    mods = {}
+    for j, layer in enumerate(spec.layers):
+        if layer.kind in ("embed", "head"):
+            continue
+        for t in layer.tensors:
+            if t.matmul:
+                out, fin = t.shape
+                A = torch.randn(rank, fin, generator=g, device=device, dtype=torch.float16) * 0.01
+                B = torch.randn(out, rank, generator=g, device=device, dtype=torch.float16) * 0.01
+                mods[(j, t.name)] = LoraModule(A.cpu(), B.cpu(), 2.0)
+    return Adapter(name, "", mods)
+
+
+def timed(llm: Any, prompts: list[dict], gen_len: int, adapters: Sequence[str | None] | None,
+          before: Any = None) -> tuple[float, float]:
+    """Seconds for one token and for gen_len tokens (each run after `before()`, if given)."""
+    out = []
+    for n in (1, gen_len):
+        if before is not None:
+            before()
+        torch.cuda.synchronize()
+        st = llm.generate(prompts, max_new_tokens=n, adapters=adapters).stats
+        out.append(st.prefill_s + st.decode_s)
+    return out[0], out[1]
+
+
+def record(system: str, variant: str, rows: int, gen_len: int, one: float, full: float, **extra: Any) -> dict:
+    return {"system": system, "variant": variant, "batch": rows, "total_s": full,
+            "decode_step_ms": 1e3 * (full - one) / (gen_len - 1), "generation_throughput": rows * gen_len / full,
+            **extra}
+
+
+def population(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from flexoff import LLM, Policy
+
+    g = torch.Generator().manual_seed(args.seed)
+    policy = Policy.load(args.policy) if args.policy else Policy(gpu_batch_size=args.batch)
+    rows = args.prompts or policy.block_size
+    with LLM(args.model, policy=policy, device="cuda", dtype=torch.float16, gpu_mem=args.gpu_mem,
+             cpu_mem=args.cpu_mem) as llm:
+        llm.model.tokenizer.eos_ids = ()
+        spec = llm.model.spec
+        prompts = [{"id": str(r), "prompt_ids": torch.randint(3, spec.vocab_size, (args.prompt_len,),
+                                                              generator=g).tolist()} for r in range(rows)]
+        draw = torch.randint(0, args.adapters, (rows,), generator=g).tolist()
+        rank_of = torch.randint(0, len(RANKS), (args.adapters,), generator=g).tolist()
+        names = [f"a{d}" for d in draw]
+        t0 = time.perf_counter()
+        for d in sorted(set(draw)):
+            llm.add_adapter(random_adapter(f"a{d}", spec, RANKS[rank_of[d]], torch.device("cuda"), d))
+        made = time.perf_counter() - t0
+        used = sorted(set(draw))
+        mean_rank = sum(RANKS[rank_of[d]] for d in used) / len(used)
+        llm.generate(prompts[:4], max_new_tokens=2)  # engine made, warm
+        llm.generate(prompts, max_new_tokens=2, adapters=names)
+        out = []
+        base = timed(llm, prompts, args.gen_len, None)
+        out.append(record("flexoff", "no-lora", rows, args.gen_len, *base))
+        warm = timed(llm, prompts, args.gen_len, names)
+        pool = llm.adapter_pool()
+
+        cold = timed(llm, prompts, args.gen_len, names, pool.drop_cache)  # every adapter copied again
+        extra = {"adapters": args.adapters, "used_adapters": len(used), "mean_rank": mean_rank,
+                 "policy": llm.last_policy.describe(), "setup_adapters_s": made}
+        for v, (one, full) in (("warm", warm), ("cold", cold)):
+            r = record("flexoff", f"lora-{v}", rows, args.gen_len, one, full, **extra)
+            r["vs_no_lora"] = r["generation_throughput"] / out[0]["generation_throughput"]
+            out.append(r)
+        out[0].update(policy=llm.last_policy.describe())
+    return out
+
+
+def peft_part(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """PEFT and flexoff, batch args.peft_batch, no adapter / one / one per row (rank 8, all linears)."""
+    from peft import LoraConfig, get_peft_model
+
+    from baseline import hf_model
+    from flexoff import LLM, Policy
+
+    batch, s, n = args.peft_batch, args.prompt_len, args.gen_len
+    g = torch.Generator().manual_seed(args.seed)
+    out = []
+    model, _, _, spec = hf_model(args.peft_model, s, n, batch, None, None, torch.float16)
+    ids = torch.randint(3, spec.vocab_size, (batch, s), generator=g)
+    targets = sorted({t.hf_names[0].rsplit(".", 2)[-2] for l in spec.layers if l.kind in ("attn", "mlp")
+                      for t in l.tensors if t.matmul})
+    cfg = LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False)
+    pm = get_peft_model(model, cfg, adapter_name="a0")
+    for i in range(1, batch):
+        pm.add_adapter(f"a{i}", cfg)
+    pm.eval()
+    dev_ids = ids.cuda()
+
+    def hf(variant: str, tokens: int) -> float:
+        """no-lora: PEFT's adapters disabled; one-adapter: a0 active; distinct: a mixed batch."""
+        kw = {"adapter_names": [f"a{i}" for i in range(batch)]} if variant == "distinct" else {}
+        pm.set_adapter("a0")
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            if variant == "no-lora":
+                with pm.disable_adapter():
+                    pm.generate(dev_ids, attention_mask=torch.ones_like(dev_ids), max_new_tokens=tokens,
+                                min_new_tokens=tokens, do_sample=False, pad_token_id=0)
+            else:
+                pm.generate(dev_ids, attention_mask=torch.ones_like(dev_ids), max_new_tokens=tokens,
+                            min_new_tokens=tokens, do_sample=False, pad_token_id=0, **kw)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    hf("distinct", 2)  # warm
+    for v in ("no-lora", "one-adapter", "distinct"):
+        out.append(record("peft", v, batch, n, hf(v, 1), hf(v, n)))
+    del pm, model
+    gc.collect()
+    torch.cuda.empty_cache()
+    with LLM(args.peft_model, policy=Policy(gpu_batch_size=batch), device="cuda", dtype=torch.float16) as llm:
+        llm.model.tokenizer.eos_ids = ()
+        for i in range(batch):
+            llm.add_adapter(random_adapter(f"a{i}", llm.model.spec, 8, torch.device("cuda"), i))
+        prompts = [{"id": str(r), "prompt_ids": ids[r].tolist()} for r in range(batch)]
+        fl = {"no-lora": None, "one-adapter": ["a0"] * batch, "distinct": [f"a{i}" for i in range(batch)]}
+        llm.generate(prompts, max_new_tokens=2, adapters=fl["distinct"])  # warm
+        for v, names in fl.items():
+            out.append(record("flexoff", v, batch, n, *timed(llm, prompts, n, names)))
+    for r in out:
+        base = next(b for b in out if b["system"] == r["system"] and b["variant"] == "no-lora")
+        r["vs_no_lora"] = r["generation_throughput"] / base["generation_throughput"]
+        peft = next(b for b in out if b["system"] == "peft" and b["variant"] == r["variant"])
+        r["vs_peft"] = r["generation_throughput"] / peft["generation_throughput"]
+    return out
+
+
+def kernel_part(args: argparse.Namespace, bw: float) -> list[dict[str, Any]]:
+    """The kernels at decode shapes: every row its own adapter (args.rows rows), one rank."""
+    from flexoff.kernels.lora import LoraPack, lora_delta_triton
+
+    out = []
+    for fin, fout in ((4096, 4096), (4096, 11008), (11008, 4096)):
+        for r in RANKS:
+            n = args.rows
+            buf = torch.randn(n * r * (fin + fout), dtype=torch.float16, device="cuda") * 0.01
+            a_off = torch.arange(n, device="cuda", dtype=torch.int64) * r * (fin + fout)
+            b_off = a_off + r * fin
+            pack = LoraPack(buf, a_off, b_off, torch.full((n,), r, dtype=torch.int32, device="cuda"),
+                            torch.ones(n, device="cuda"), fin, fout, r, (r,) * n, tuple(a_off.tolist()),
+                            tuple(b_off.tolist()), (1.0,) * n)
+            x = torch.randn(n, 1, fin, dtype=torch.float16, device="cuda")
+            y = torch.zeros(n, 1, fout, dtype=torch.float16, device="cuda")
+            ids = torch.arange(n, dtype=torch.int32, device="cuda")
+            for _ in range(3):
+                lora_delta_triton(x, y, ids, pack)
+            torch.cuda.synchronize()
+            reps = 50
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                lora_delta_triton(x, y, ids, pack)
+            torch.cuda.synchronize()
+            sec = (time.perf_counter() - t0) / reps
+            nbytes = buf.numel() * 2 + x.numel() * 2 + 2 * y.numel() * 2
+            out.append({"system": "kernel", "variant": f"{fin}x{fout} r{r}", "batch": n, "us": 1e6 * sec,
+                        "GBps": nbytes / sec / 1e9, "of_copy_bandwidth": nbytes / sec / bw})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--parts", default="population,peft,kernel")
+    ap.add_argument("--model", default="dummy:llama-7b")
+    ap.add_argument("--policy", default=None, help="a policy string (default: everything on the GPU)")
+    ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--prompts", type=int, default=None, help="prompts in the job (default: one block)")
+    ap.add_argument("--adapters", type=int, default=1000)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--gen-len", type=int, default=32)
+    ap.add_argument("--gpu-mem", default=None)
+    ap.add_argument("--cpu-mem", default=None)
+    ap.add_argument("--peft-model", default="dummy:llama-7b")
+    ap.add_argument("--peft-batch", type=int, default=32)
+    ap.add_argument("--rows", type=int, default=128, help="kernel part: rows, each with its own adapter")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/out/lora.jsonl"))
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("lora.py measures on a GPU; no CUDA device here", file=sys.stderr)
+        return 2
+    from resident import copy_bandwidth
+
+    bw = copy_bandwidth()
+    env = environment()
+    rows: list[dict[str, Any]] = []
+    parts = args.parts.split(",")
+    for part in parts:
+        got = {"population": lambda: population(args), "peft": lambda: peft_part(args),
+               "kernel": lambda: kernel_part(args, bw)}[part]()
+        for r in got:
+            r.update(part=part, model=args.model if part == "population" else args.peft_model,
+                     prompt_len=args.prompt_len, gen_len=args.gen_len, copy_GBps=bw / 1e9, **env)
+        rows += got
+        cols = ["system", "variant", "batch", "us", "GBps", "of_copy_bandwidth"] if part == "kernel" else \
+            ["system", "variant", "batch", "decode_step_ms", "generation_throughput", "vs_no_lora", "vs_peft",
+             "used_adapters", "mean_rank"]
+        print(table(got, cols), flush=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+    write_jsonl(args.out, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
