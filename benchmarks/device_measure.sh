@@ -145,7 +145,14 @@ PY
      echo "=== lora ($(date +%T))"
      timeout ${LORA_S:-260} python3 benchmarks/lora.py --out "$OUT/lora.jsonl" 2>&1 | grep -v "^\s*$" | tail -24
      echo "=== finetune ($(date +%T))"
-     timeout ${TRAIN_S:-120} python3 benchmarks/finetune.py --out "$OUT/finetune.jsonl" 2>&1 | grep -v "^\s*$" | tail -6 ;;
+     timeout ${TRAIN_S:-120} python3 benchmarks/finetune.py --out "$OUT/finetune.jsonl" 2>&1 | grep -v "^\s*$" | tail -6
+     # streamed weights with LoRA pages: OPT-30B cut to 4 layers (the same per-layer work), 16 GiB GPU
+     mkdir -p /tmp/cut && python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; \
+       from memcheck import cut_model; print(cut_model('dummy:opt-30b', 4, Path('/tmp/cut')))" >/tmp/cut/name
+     echo "=== lora, opt-30b cut, streamed ($(date +%T))"
+     timeout ${CUT_S:-150} python3 benchmarks/lora.py --parts population --model "$(cat /tmp/cut/name)" \
+       --policy "24x3:0,100,0,100,100,0:a" --gpu-mem 16GiB --cpu-mem 100GiB --out "$OUT/lora-opt30b-cut.jsonl" 2>&1 \
+       | grep -v "^\s*$" | tail -5 ;;
   E) echo "=== gpu tests ($(date +%T))"
      timeout 180 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
      echo "=== opt-30b, weights and cache on CPU ($(date +%T))"

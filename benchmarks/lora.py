@@ -94,8 +94,8 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
         made = time.perf_counter() - t0
         used = sorted(set(draw))
         mean_rank = sum(RANKS[rank_of[d]] for d in used) / len(used)
-        llm.generate(prompts[:4], max_new_tokens=2)  # engine made, warm
-        llm.generate(prompts, max_new_tokens=2, adapters=names)
+        llm.generate(prompts, max_new_tokens=2, adapters=names)  # engine made; graphs of both captured
+        llm.generate(prompts, max_new_tokens=2)
         out = []
         base = timed(llm, prompts, args.gen_len, None)
         out.append(record("flexoff", "no-lora", rows, args.gen_len, *base))
@@ -163,7 +163,8 @@ def peft_part(args: argparse.Namespace) -> list[dict[str, Any]]:
             llm.add_adapter(random_adapter(f"a{i}", llm.model.spec, 8, torch.device("cuda"), i))
         prompts = [{"id": str(r), "prompt_ids": ids[r].tolist()} for r in range(batch)]
         fl = {"no-lora": None, "one-adapter": ["a0"] * batch, "distinct": [f"a{i}" for i in range(batch)]}
-        llm.generate(prompts, max_new_tokens=2, adapters=fl["distinct"])  # warm
+        for names in fl.values():  # graphs captured before anything is timed
+            llm.generate(prompts, max_new_tokens=2, adapters=names)
         for v, names in fl.items():
             out.append(record("flexoff", v, batch, n, *timed(llm, prompts, n, names)))
     for r in out:
@@ -175,34 +176,43 @@ def peft_part(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def kernel_part(args: argparse.Namespace, bw: float) -> list[dict[str, Any]]:
-    """The kernels at decode shapes: every row its own adapter (args.rows rows), one rank."""
+    """The kernels at decode shapes: every row its own adapter, one rank; GPU time per call from
+    CUDA graphs of 10 calls (no launch overhead, as in the decode path's graphs)."""
     from flexoff.kernels.lora import LoraPack, lora_delta_triton
 
     out = []
-    for fin, fout in ((4096, 4096), (4096, 11008), (11008, 4096)):
-        for r in RANKS:
-            n = args.rows
-            buf = torch.randn(n * r * (fin + fout), dtype=torch.float16, device="cuda") * 0.01
-            a_off = torch.arange(n, device="cuda", dtype=torch.int64) * r * (fin + fout)
-            b_off = a_off + r * fin
-            pack = LoraPack(buf, a_off, b_off, torch.full((n,), r, dtype=torch.int32, device="cuda"),
-                            torch.ones(n, device="cuda"), fin, fout, r, (r,) * n, tuple(a_off.tolist()),
-                            tuple(b_off.tolist()), (1.0,) * n)
-            x = torch.randn(n, 1, fin, dtype=torch.float16, device="cuda")
-            y = torch.zeros(n, 1, fout, dtype=torch.float16, device="cuda")
-            ids = torch.arange(n, dtype=torch.int32, device="cuda")
-            for _ in range(3):
-                lora_delta_triton(x, y, ids, pack)
-            torch.cuda.synchronize()
-            reps = 50
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                lora_delta_triton(x, y, ids, pack)
-            torch.cuda.synchronize()
-            sec = (time.perf_counter() - t0) / reps
-            nbytes = buf.numel() * 2 + x.numel() * 2 + 2 * y.numel() * 2
-            out.append({"system": "kernel", "variant": f"{fin}x{fout} r{r}", "batch": n, "us": 1e6 * sec,
-                        "GBps": nbytes / sec / 1e9, "of_copy_bandwidth": nbytes / sec / bw})
+    for n in (int(r) for r in str(args.rows).split(",")):
+        for fin, fout in ((4096, 4096), (4096, 11008), (11008, 4096)):
+            for r in RANKS:
+                buf = torch.randn(n * r * (fin + fout), dtype=torch.float16, device="cuda") * 0.01
+                a_off = torch.arange(n, device="cuda", dtype=torch.int64) * r * (fin + fout)
+                b_off = a_off + r * fin
+                pack = LoraPack(buf, a_off, b_off, torch.full((n,), r, dtype=torch.int32, device="cuda"),
+                                torch.ones(n, device="cuda"), fin, fout, 64, (r,) * n, tuple(a_off.tolist()),
+                                tuple(b_off.tolist()), (1.0,) * n)  # a pool whose largest rank is 64
+                x = torch.randn(n, 1, fin, dtype=torch.float16, device="cuda")
+                y = torch.zeros(n, 1, fout, dtype=torch.float16, device="cuda")
+                ids = torch.arange(n, dtype=torch.int32, device="cuda")
+                nbytes = buf.numel() * 2 + x.numel() * 2 + 2 * y.numel() * 2
+                for fused in (False, True):
+                    for _ in range(3):
+                        lora_delta_triton(x, y, ids, pack, fused)
+                    torch.cuda.synchronize()
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g):
+                        for _ in range(10):
+                            lora_delta_triton(x, y, ids, pack, fused)
+                    g.replay()
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(10):
+                        g.replay()
+                    torch.cuda.synchronize()
+                    sec = (time.perf_counter() - t0) / 100
+                    out.append({"system": "kernel", "variant": f"{fin}x{fout} r{r} {'fused' if fused else 'split'}",
+                                "batch": n, "us": 1e6 * sec, "GBps": nbytes / sec / 1e9,
+                                "of_copy_bandwidth": nbytes / sec / bw})
+                    del g
     return out
 
 
@@ -220,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-mem", default=None)
     ap.add_argument("--peft-model", default="dummy:llama-7b")
     ap.add_argument("--peft-batch", type=int, default=32)
-    ap.add_argument("--rows", type=int, default=128, help="kernel part: rows, each with its own adapter")
+    ap.add_argument("--rows", default="8,128", help="kernel part: rows (a list), each with its own adapter")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out/lora.jsonl"))
     args = ap.parse_args(argv)

@@ -6,10 +6,11 @@ Knows: one adapted matmul's LoRA across a block's adapters as a `LoraPack`: ever
 offsets, with a rank and a scale per adapter (rank 0 where an adapter leaves this matmul
 alone), so no adapter is padded to the largest rank and adapters need not sit next to each
 other (the pool pages them per adapter); adding scale * (x @ A_a.T) @ B_a.T to the rows of y
-whose adapter is a (index -1: none). The kernels run in two passes, as Punica and S-LoRA do:
-shrink (each row's tokens onto the adapter's rank, split over the input so a small batch
-still fills the GPU, partial sums kept apart so the result does not depend on timing) and
-expand (the rank onto the outputs, added to y in place). Decode rows (one token) reduce
+whose adapter is a (index -1: none). Where a batch has enough rows to fill the GPU, one program per row (and tile of its tokens)
+shrinks onto the adapter's rank and expands onto every output, reading its adapter once;
+small batches run in two passes, as Punica and S-LoRA do: shrink (split over the input so a
+few rows still fill the GPU, partial sums kept apart so the result does not depend on
+timing) and expand (the rank onto the outputs, added to y in place). Decode rows (one token) reduce
 with plain sums; rows of many tokens (prefill) multiply tiles with tl.dot, reading each
 adapter tile once per tile of tokens.
 Does not know: where adapters come from, which rows have which adapter.
@@ -140,9 +141,57 @@ if HAVE_TRITON:
         tl.store(ptr, (y + d * sc).to(Y.dtype.element_ty), mask=ym)
 
 
-def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: LoraPack) -> torch.Tensor:
+if HAVE_TRITON:
+    @triton.jit
+    def _fused(X, Y, IDS, W, AOFF, BOFF, RANK, SCALE, per_row, K, N, sx, sy,
+               R: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr):
+        """One program per (row, tile of its tokens): shrink over all inputs, then expand onto
+        every output, reading the row's adapter once (many rows fill the GPU by themselves)."""
+        row = tl.program_id(0)
+        mb = tl.program_id(1)
+        a = tl.load(IDS + row)
+        safe = tl.maximum(a, 0)
+        r = tl.where(a >= 0, tl.load(RANK + safe), 0)
+        ao = tl.load(AOFF + safe)
+        bo = tl.load(BOFF + safe)
+        sc = tl.load(SCALE + safe)
+        ms = mb * BM + tl.arange(0, BM)
+        mlive = (ms < per_row) & ((ms * 0 + r) > 0)
+        toks = row * per_row + ms
+        ks = tl.arange(0, R)
+        live = ks < r
+        v = tl.zeros((BM, R), tl.float32)
+        for k0 in range(0, K, BK):
+            cols = k0 + tl.arange(0, BK)
+            cm = cols < K
+            x = tl.load(X + toks[:, None] * sx + cols[None, :], mask=mlive[:, None] & cm[None, :], other=0.0)
+            at = tl.load(W + ao + ks[None, :] * K + cols[:, None], mask=live[None, :] & cm[:, None], other=0.0)
+            if DOT:
+                v += tl.dot(x, at)
+            else:
+                v += tl.sum(x[:, :, None].to(tl.float32) * at[None, :, :].to(tl.float32), axis=1)
+        for n0 in range(0, N, BN):
+            outs = n0 + tl.arange(0, BN)
+            om = outs < N
+            bt = tl.load(W + bo + ks[:, None] * N + outs[None, :], mask=live[:, None] & om[None, :], other=0.0)
+            if DOT:
+                d = tl.dot(v.to(bt.dtype), bt)
+            else:
+                d = tl.sum(v[:, :, None] * bt[None, :, :].to(tl.float32), axis=1)
+            ym = mlive[:, None] & om[None, :]
+            ptr = Y + toks[:, None] * sy + outs[None, :]
+            y = tl.load(ptr, mask=ym, other=0.0).to(tl.float32)
+            tl.store(ptr, (y + d * sc).to(Y.dtype.element_ty), mask=ym)
+
+
+FUSED_PROGRAMS = 64  # at least this many (row, token tile) programs: one pass, else the split two
+
+
+def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: LoraPack,
+                      fused: bool | None = None) -> torch.Tensor:
     """The kernels, on any device Triton reaches (the CPU under TRITON_INTERPRET=1, for tests);
-    y is updated in place and returned."""
+    y is updated in place and returned. One pass where the rows' tiles make enough programs (or
+    `fused` says so), else shrink split over the inputs and expand."""
     n = x.shape[0]
     xf = x.reshape(-1, x.shape[-1])
     if xf.stride(-1) != 1:
@@ -153,10 +202,15 @@ def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: Lo
     R = max(16, triton.next_power_of_2(max(p.max_rank, 1)))
     dot = per_row >= 16  # many tokens per row: tiles through tl.dot
     BM = (64 if R <= 32 else 32) if dot else 1
+    mblocks = triton.cdiv(per_row, BM)
+    ids32 = ids.to(torch.int32)
+    if fused if fused is not None else n * mblocks >= FUSED_PROGRAMS:
+        _fused[(n, mblocks)](xf, yf, ids32, p.buf, p.a_off, p.b_off, p.rank, p.scale, per_row, K, N,
+                             xf.stride(0), yf.stride(0), R=R, BM=BM, BK=(32 if dot else 64) if R >= 64 else 64,
+                             BN=64 if (dot or R >= 64) else 128, DOT=dot)
+        return y
     split = triton.cdiv(K, SPLIT_K)
     v = torch.empty(tokens, split, R, dtype=torch.float32, device=x.device)
-    ids32 = ids.to(torch.int32)
-    mblocks = triton.cdiv(per_row, BM)
     _shrink[(n, mblocks, split)](xf, ids32, p.buf, p.a_off, p.rank, v, per_row, K, xf.stride(0), split,
                                  R=R, BM=BM, BK=32 if dot else 64, KS=SPLIT_K, DOT=dot)
     BN = (64 if dot else 128) if R <= 32 else 32

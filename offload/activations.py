@@ -37,6 +37,23 @@ def stash_bytes(spec: ModelSpec, elem_bytes: int, policy: Policy, max_tokens: in
     return {t: split[t] * per_row for t in TIERS}
 
 
+def keeps_graphs(resident: bool, policy: Policy) -> bool:
+    """Whether training windows keep each layer's autograd graph from the forward sweep for the
+    reverse sweep (no recompute): where the weights and the whole stash are on the compute
+    device, the graph's saved tensors stay valid and room for them is planned. Elsewhere the
+    reverse sweep recomputes each layer from its stashed input (a slot's weights are gone)."""
+    return resident and policy.stash_gpu_percent >= 100
+
+
+def graph_bytes(spec: ModelSpec, elem_bytes: int, policy: Policy, max_tokens: int) -> int:
+    """What kept graphs hold on the compute device for a block's windows: per token and layer,
+    attention's projections and scores (two per head and key) and the MLP's activations."""
+    h, f, heads = spec.hidden_size, spec.intermediate_size, spec.num_heads
+    per_token = sum(8 * h + 2 * heads * max_tokens if l.kind == "attn" else h + 5 * f
+                    for l in spec.layers if l.kind in ("attn", "mlp"))
+    return policy.block_size * max_tokens * per_token * elem_bytes
+
+
 @dataclass
 class _Stored:
     tag: Any  # what this is (the layer whose output, the window)

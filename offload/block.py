@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -179,6 +179,8 @@ class BlockRun:
         self.grads: list[torch.Tensor | None] = [None] * len(batches)  # d loss / d (current layer's output)
         # per adapted matmul, per adapter: d loss / d (its A and B transposed), summed over batches
         self.lora_grads: dict[tuple[int, str], dict[str, list[torch.Tensor]]] = {}
+        # (layer, batch) -> a kept graph: the layer's output, its input leaf, its LoRA leaves
+        self.graphs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, list[Any]]] = {}
 
     def finish_where(self, which: Callable[[Pending], bool]) -> None:
         """Finish the pending CPU attention calls `which` picks, oldest first: wait for each and

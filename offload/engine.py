@@ -25,7 +25,7 @@ import torch
 
 from flexoff.models.base import Family
 from flexoff.models.spec import ModelSpec
-from flexoff.offload.activations import HiddenStore, Stash
+from flexoff.offload.activations import HiddenStore, Stash, keeps_graphs
 from flexoff.offload.adapters import AdapterPool, Need
 from flexoff.offload.block import (IGNORE, BatchInput, BlockResult, BlockRun, Clock, LossTask, OnTokens,
                                    Sampler, SampleTask)
@@ -91,7 +91,7 @@ class Engine:
                                             dtype, device.type == "cuda", training,
                                             adapter_bytes(adapter_need, adapter_host_bytes, layouts, policy, dtype))
         self.adapter_need = adapter_need  # the room a block's LoRA adapters have on the compute device
-        self.training = training  # made for training sweeps (a stash)
+        self.training = training  # made for training sweeps (a stash, or kept graphs)
         if moving:  # an older store's layers (their splits) move in: each stays until it has moved
             self.plan.add("weights being moved", move_overhead(moving, plan_weights(layouts, policy)))
         # before anything is allocated; `credit` is memory already held that the plan counts
@@ -113,6 +113,7 @@ class Engine:
             raise
         self.adapters: AdapterPool | None = None  # LoRA adapters the caller has loaded (set by it)
         self.weights.adapters = None
+        self.keep_graphs = training and keeps_graphs(all(s.resident for s in self.weights.splits), policy)
         self.ops = layer_ops(self)
         self.lean = LeanDecoder(self, graphs_enabled(cuda_graphs)) if LeanDecoder.applies(self) else None
         self.cpu_threads = cpu_attention_threads() if self.lanes.cuda and policy.cpu_cache_compute else 0

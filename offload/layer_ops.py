@@ -67,6 +67,8 @@ def lora_leaves(w: Mapping[str, Any]) -> list[tuple[str, int, tuple[torch.Tensor
 class LayerOp:
     """The steps of one layer j. Subclasses say what their compute is."""
 
+    graphs = True  # a training window may keep this layer's autograd graph (engine.keep_graphs)
+
     def __init__(self, engine: "Engine", j: int):
         self.e, self.j = engine, j
 
@@ -89,9 +91,21 @@ class LayerOp:
         w, deps = self._weights(run, step.k)
         h, hdeps = e.hidden.take(step.k, self.j)
         e.lanes.compute.wait(deps + hdeps)
-        if run.training:
+        if run.training and not (e.keep_graphs and self.graphs):
             e.stash.put((self.j, step.k), h, step.i, e.lanes.compute.mark())
         return w, h
+
+    def _train(self, run: BlockRun, step: Step, w: Mapping[str, Any], h: torch.Tensor) -> torch.Tensor:
+        """A training window's forward: plain (the reverse sweep recomputes it from the stashed
+        input) or, where the engine keeps graphs, recorded by autograd for the reverse sweep."""
+        if not self.e.keep_graphs:
+            return self.window(run, step, w, h)
+        x = h.detach().requires_grad_(True)
+        wd = dense(w)
+        with torch.enable_grad():
+            out = self.window(run, step, wd, x)
+        run.graphs[(self.j, step.k)] = (out, x, lora_leaves(wd))
+        return out.detach()
 
     def _output(self, step: Step, h: torch.Tensor) -> None:
         """Store this layer's output for the batch's next layer; the weights were read until now."""
@@ -110,26 +124,33 @@ class LayerOp:
 
     def forward(self, run: BlockRun, step: Step) -> None:
         w, h = self._inputs(run, step)
-        self._output(step, self.compute(run, step, w, h))
+        self._output(step, self._train(run, step, w, h) if run.training else self.compute(run, step, w, h))
 
     def backward(self, run: BlockRun, step: Step) -> None:
         """run.grads[k] is d loss / d (this layer's output); leaves d loss / d (its input)."""
         e = self.e
-        w, deps = self._weights(run, step.k)
-        x, sdeps = e.stash.take((self.j, step.k), step.i)
-        e.lanes.compute.wait(deps + sdeps)
         g = run.grads[step.k]
-        wd = dense(w)
-        leaves = lora_leaves(wd)
-        run.grads[step.k], pgrads = vjp(lambda h: self.window(run, step, wd, h), x, g,
-                                        [t for _, _, ab in leaves for t in ab])
+        if e.keep_graphs:  # the forward's graph: no weights, no recompute
+            out, x, leaves = run.graphs.pop((self.j, step.k))
+            with torch.enable_grad():
+                got = torch.autograd.grad(out, [x, *(t for _, _, ab in leaves for t in ab)], g)
+            run.grads[step.k], pgrads = got[0], list(got[1:])
+        else:
+            w, deps = self._weights(run, step.k)
+            x, sdeps = e.stash.take((self.j, step.k), step.i)
+            e.lanes.compute.wait(deps + sdeps)
+            wd = dense(w)
+            leaves = lora_leaves(wd)
+            run.grads[step.k], pgrads = vjp(lambda h: self.window(run, step, wd, h), x, g,
+                                            [t for _, _, ab in leaves for t in ab])
         block = e.adapters.block if leaves else []
         for (n, a, _), gA, gBt in zip(leaves, pgrads[0::2], pgrads[1::2]):
             acc = run.lora_grads.setdefault((self.j, n), {}).setdefault(
                 block[a], [torch.zeros_like(gA), torch.zeros_like(gBt)])
             acc[0] += gA
             acc[1] += gBt
-        e.weights.was_read(self.j, e.lanes.compute.mark())
+        if not e.keep_graphs:
+            e.weights.was_read(self.j, e.lanes.compute.mark())
 
     def compute(self, run: BlockRun, step: Step, w: Mapping[str, Any], h: torch.Tensor) -> torch.Tensor:
         return self.window(run, step, w, h)
@@ -174,6 +195,8 @@ class MlpOp(LayerOp):
 
 
 class HeadOp(LayerOp):
+    graphs = False  # the loss task keeps what it needs; its backward reads the stashed input
+
     def forward(self, run: BlockRun, step: Step) -> None:
         e = self.e
         w, h = self._inputs(run, step)
@@ -221,7 +244,7 @@ class AttnOp(LayerOp):
             run.finish_where(lambda c: c.buffers == self.e.host_io.next)
         w, h = self._inputs(run, step)
         if run.training:
-            self._output(step, self.window(run, step, w, h))
+            self._output(step, self._train(run, step, w, h))
             return
         cont = self._attention(run, step, w, h)
         if cont is not None:

@@ -1,4 +1,4 @@
-"""The two-pass LoRA kernels against their reference and against plain matmuls (on the CPU via
+"""The LoRA kernels (one pass, and two) against their reference and against plain matmuls (on the CPU via
 TRITON_INTERPRET=1): adapters of mixed ranks scattered through one buffer (in another order,
 with gaps), rows on the base model among them, decode shapes (one token per row) and prefill
 shapes (tiles through tl.dot), odd sizes and dtypes."""
@@ -42,14 +42,15 @@ def scattered(ranks: list[int], fin: int, fout: int, dtype: torch.dtype, seed: i
     (2, 70, 520, 40, [64, 8], [0, 1]),  # prefill: two tiles of tokens, two splits of the input
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_kernel_equals_reference_and_matmuls(n, s, fin, fout, ranks, ids, dtype):
+@pytest.mark.parametrize("fused", [False, True], ids=["two-pass", "fused"])
+def test_kernel_equals_reference_and_matmuls(n, s, fin, fout, ranks, ids, dtype, fused):
     torch.manual_seed(n * 7 + fin)
     p, mats = scattered(ranks, fin, fout, dtype, n + s)
     x = torch.randn(n, s, fin).to(dtype)
     y = torch.randn(n, s, fout).to(dtype)
     idx = torch.tensor(ids, dtype=torch.int32)
     want = L.lora_delta_ref(x, y.clone(), idx, p)
-    got = L.lora_delta_triton(x, y.clone(), idx, p)
+    got = L.lora_delta_triton(x, y.clone(), idx, p, fused=fused)
     plain = y.double().clone()  # each row's delta from its own adapter, in float64
     for r, a in enumerate(ids):
         if a >= 0 and ranks[a]:
