@@ -38,8 +38,9 @@ def flexoff_run(args: argparse.Namespace) -> dict[str, Any]:
     from flexoff.finetune.data import Example
     from flexoff.finetune.run import LoraSpec, new_adapter
     from flexoff.finetune.trainer import LoraTrainer, TrainConfig
+    from throughput import parse_policy
 
-    policy = Policy.load(args.policy) if args.policy else Policy(gpu_batch_size=args.batch)
+    policy = parse_policy(args.policy) if args.policy else Policy(gpu_batch_size=args.batch)
     if args.compress_weight:
         policy = replace(policy, compress_weight=True)
     with LLM(args.model, policy=policy, device="cuda", dtype=torch.float16, gpu_mem=args.gpu_mem,

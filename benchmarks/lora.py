@@ -34,6 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import environment, table, write_jsonl  # noqa: E402
 
 RANKS = (8, 16, 32, 64)
+# decode tile configurations the kernel part compares (kernels.lora.DECODE), two-pass and one-pass
+CONFIGS = {False: [{"split_bk": 64, "split_bn": 128, "warps": 4}, {"split_bk": 128, "split_bn": 256, "warps": 4},
+                   {"split_bk": 128, "split_bn": 256, "warps": 8}, {"split_bk": 64, "split_bn": 512, "warps": 8}],
+           True: [{"fused_bk": 64, "fused_bn": 128, "warps": 4}, {"fused_bk": 256, "fused_bn": 256, "warps": 8},
+                  {"fused_bk": 128, "fused_bn": 512, "warps": 8}]}
 
 
 def random_adapter(name: str, spec: Any, rank: int, device: torch.device, seed: int) -> Any:
@@ -75,9 +80,10 @@ def record(system: str, variant: str, rows: int, gen_len: int, one: float, full:
 
 def population(args: argparse.Namespace) -> list[dict[str, Any]]:
     from flexoff import LLM, Policy
+    from throughput import parse_policy
 
     g = torch.Generator().manual_seed(args.seed)
-    policy = Policy.load(args.policy) if args.policy else Policy(gpu_batch_size=args.batch)
+    policy = parse_policy(args.policy) if args.policy else Policy(gpu_batch_size=args.batch)
     rows = args.prompts or policy.block_size
     with LLM(args.model, policy=policy, device="cuda", dtype=torch.float16, gpu_mem=args.gpu_mem,
              cpu_mem=args.cpu_mem) as llm:
@@ -178,12 +184,13 @@ def peft_part(args: argparse.Namespace) -> list[dict[str, Any]]:
 def kernel_part(args: argparse.Namespace, bw: float) -> list[dict[str, Any]]:
     """The kernels at decode shapes: every row its own adapter, one rank; GPU time per call from
     CUDA graphs of 10 calls (no launch overhead, as in the decode path's graphs)."""
+    from flexoff.kernels import lora as L
     from flexoff.kernels.lora import LoraPack, lora_delta_triton
 
-    out = []
+    out, saved = [], dict(L.DECODE)
     for n in (int(r) for r in str(args.rows).split(",")):
-        for fin, fout in ((4096, 4096), (4096, 11008), (11008, 4096)):
-            for r in RANKS:
+        for fin, fout in ((4096, 4096), (4096, 11008)):
+            for r in (16, 64):
                 buf = torch.randn(n * r * (fin + fout), dtype=torch.float16, device="cuda") * 0.01
                 a_off = torch.arange(n, device="cuda", dtype=torch.int64) * r * (fin + fout)
                 b_off = a_off + r * fin
@@ -194,7 +201,8 @@ def kernel_part(args: argparse.Namespace, bw: float) -> list[dict[str, Any]]:
                 y = torch.zeros(n, 1, fout, dtype=torch.float16, device="cuda")
                 ids = torch.arange(n, dtype=torch.int32, device="cuda")
                 nbytes = buf.numel() * 2 + x.numel() * 2 + 2 * y.numel() * 2
-                for fused in (False, True):
+                for fused, cfg in [(f, c) for f in (False, True) for c in CONFIGS[f]]:
+                    L.DECODE.update(cfg)
                     for _ in range(3):
                         lora_delta_triton(x, y, ids, pack, fused)
                     torch.cuda.synchronize()
@@ -209,10 +217,12 @@ def kernel_part(args: argparse.Namespace, bw: float) -> list[dict[str, Any]]:
                         g.replay()
                     torch.cuda.synchronize()
                     sec = (time.perf_counter() - t0) / 100
-                    out.append({"system": "kernel", "variant": f"{fin}x{fout} r{r} {'fused' if fused else 'split'}",
+                    tiles = ",".join(f"{k}={v}" for k, v in cfg.items())
+                    out.append({"system": "kernel", "variant": f"{fin}x{fout} r{r} {'fused' if fused else 'split'} {tiles}",
                                 "batch": n, "us": 1e6 * sec, "GBps": nbytes / sec / 1e9,
                                 "of_copy_bandwidth": nbytes / sec / bw})
                     del g
+    L.DECODE.update(saved)
     return out
 
 

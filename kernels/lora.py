@@ -65,6 +65,9 @@ def lora_delta_ref(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: LoraP
             continue
         A, Bt = p.weights(a)
         rows = (ids == a).nonzero()[:, 0]
+        if rows.numel() == x.shape[0]:  # every row on this adapter (a training batch): no gathers
+            y = y + (F.linear(F.linear(x, A), Bt.t()) * p.scales[a]).to(y.dtype)
+            continue
         d = F.linear(F.linear(x.index_select(0, rows), A), Bt.t())
         y = y.index_add(0, rows, (d * p.scales[a]).to(y.dtype))
     return y
@@ -185,6 +188,8 @@ if HAVE_TRITON:
 
 
 FUSED_PROGRAMS = 64  # at least this many (row, token tile) programs: one pass, else the split two
+# decode tiles (one token per row): inputs per shrink step, outputs per expand step, warps
+DECODE = {"split_bk": 64, "split_bn": 128, "fused_bk": 64, "fused_bn": 128, "warps": 4}
 
 
 def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: LoraPack,
@@ -204,16 +209,18 @@ def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: Lo
     BM = (64 if R <= 32 else 32) if dot else 1
     mblocks = triton.cdiv(per_row, BM)
     ids32 = ids.to(torch.int32)
+    c = DECODE
+    warps = 4 if dot else c["warps"]
     if fused if fused is not None else n * mblocks >= FUSED_PROGRAMS:
         _fused[(n, mblocks)](xf, yf, ids32, p.buf, p.a_off, p.b_off, p.rank, p.scale, per_row, K, N,
-                             xf.stride(0), yf.stride(0), R=R, BM=BM, BK=(32 if dot else 64) if R >= 64 else 64,
-                             BN=64 if (dot or R >= 64) else 128, DOT=dot)
+                             xf.stride(0), yf.stride(0), R=R, BM=BM, BK=(32 if R >= 64 else 64) if dot else c["fused_bk"],
+                             BN=64 if dot else c["fused_bn"], DOT=dot, num_warps=warps)
         return y
     split = triton.cdiv(K, SPLIT_K)
     v = torch.empty(tokens, split, R, dtype=torch.float32, device=x.device)
     _shrink[(n, mblocks, split)](xf, ids32, p.buf, p.a_off, p.rank, v, per_row, K, xf.stride(0), split,
-                                 R=R, BM=BM, BK=32 if dot else 64, KS=SPLIT_K, DOT=dot)
-    BN = (64 if dot else 128) if R <= 32 else 32
+                                 R=R, BM=BM, BK=32 if dot else c["split_bk"], KS=SPLIT_K, DOT=dot, num_warps=warps)
+    BN = ((64 if R <= 32 else 32) if dot else c["split_bn"])
     _expand[(n, mblocks, triton.cdiv(N, BN))](yf, ids32, p.buf, p.b_off, p.rank, p.scale, v, per_row, N,
-                                              yf.stride(0), split, R=R, BM=BM, BN=BN, DOT=dot)
+                                              yf.stride(0), split, R=R, BM=BM, BN=BN, DOT=dot, num_warps=warps)
     return y

@@ -118,6 +118,7 @@ class AdapterPool:
         fans = {key: (m.A.shape[1], m.B.shape[0]) for a in adapters for key, m in a.modules.items()}
         self._fans = fans
         self._host: dict[str, HostAdapter] = {}
+        self._stale: set[str] = set()  # adapters whose host copy is older than their values
         self._layer_numel = {a.name: layer_numel(a) for a in adapters}
         self.block: list[str] = []  # the current block's adapters, by index
         self.index: dict[str, int] = {}
@@ -150,18 +151,33 @@ class AdapterPool:
         """Host memory the adapters' flat copies take."""
         return sum(a.numel for a in self.adapters.values()) * self.dtype.itemsize
 
-    def host(self, name: str) -> HostAdapter:
+    def host(self, name: str, fresh: bool = True) -> HostAdapter:
+        """An adapter's host copy (its layout; its values are current unless `fresh` is off)."""
         h = self._host.get(name)
         if h is None:
             h = self._host[name] = HostAdapter(self.adapters[name], self.dtype, self.pin)
+        elif fresh and name in self._stale:
+            h.write(self.adapters[name])
+        if fresh:
+            self._stale.discard(name)
         return h
 
     def refresh(self, name: str) -> None:
-        """An adapter's values changed (an optimizer step): its host copy is rewritten and the
-        next block copies it to the device again."""
-        if name in self._host:
-            self._host[name].write(self.adapters[name])
-        self._cached.pop(name, None)
+        """An adapter's values changed (an optimizer step). Held in the device cache, it is
+        rewritten there from its values (wherever they live) and its host copy when next
+        needed; otherwise the next block copies it anew."""
+        self._stale.add(name)
+        at = self._cached.get(name)
+        h = self._host.get(name)
+        if at is None or h is None or self._buf is None:
+            self._cached.pop(name, None)
+            return
+        a = self.adapters[name]
+        with torch.no_grad():
+            for key, s in h.slots.items():
+                m = a.modules[key]
+                self._buf[at + s.a_off:at + s.a_off + m.A.numel()].view_as(m.A).copy_(m.A)
+                self._buf[at + s.b_off:at + s.b_off + m.B.numel()].view(m.B.shape[1], m.B.shape[0]).copy_(m.B.t())
 
     def drop_cache(self) -> None:
         """Forget the adapters the device holds (resident): the next block copies its own again."""
@@ -177,7 +193,7 @@ class AdapterPool:
         paged = not all(s.resident for s in weights.splits)
         self._reserve(cap, paged, len(weights.slots))
         self.block, self.index = used, {n: i for i, n in enumerate(used)}
-        hosts = [self.host(n) for n in used]
+        hosts = [self.host(n, fresh=paged) for n in used]  # resident: only copies made fresh
         base = self._place(hosts) if not paged else {}
         if paged:
             self._plan_pages(hosts)
@@ -228,7 +244,7 @@ class AdapterPool:
             self._cached, self._top = {}, 0
             missing = hosts
         for h in missing:
-            self._buf[self._top:self._top + h.numel].copy_(h.flat, non_blocking=True)
+            self._buf[self._top:self._top + h.numel].copy_(self.host(h.name).flat, non_blocking=True)
             self._cached[h.name] = self._top
             self._top += h.numel
         return {h.name: self._cached[h.name] for h in hosts}
