@@ -6,9 +6,9 @@ Knows: one adapted matmul's LoRA across a block's adapters as a `LoraPack`: ever
 offsets, with a rank and a scale per adapter (rank 0 where an adapter leaves this matmul
 alone), so no adapter is padded to the largest rank and adapters need not sit next to each
 other (the pool pages them per adapter); adding scale * (x @ A_a.T) @ B_a.T to the rows of y
-whose adapter is a (index -1: none). Where a batch has enough rows to fill the GPU, one program per row (and tile of its tokens)
-shrinks onto the adapter's rank and expands onto every output, reading its adapter once;
-small batches run in two passes, as Punica and S-LoRA do: shrink (split over the input so a
+whose adapter is a (index -1: none). Where rows have many tokens (prefill) and make enough tiles to fill the GPU, one program per
+row and tile of its tokens shrinks onto the adapter's rank and expands onto every output,
+reading its adapter once per tile; decode steps run in two passes, as Punica and S-LoRA do: shrink (split over the input so a
 few rows still fill the GPU, partial sums kept apart so the result does not depend on
 timing) and expand (the rank onto the outputs, added to y in place). Decode rows (one token) reduce
 with plain sums; rows of many tokens (prefill) multiply tiles with tl.dot, reading each
@@ -187,9 +187,11 @@ if HAVE_TRITON:
             tl.store(ptr, (y + d * sc).to(Y.dtype.element_ty), mask=ym)
 
 
-FUSED_PROGRAMS = 64  # at least this many (row, token tile) programs: one pass, else the split two
+FUSED_PROGRAMS = 64  # prefill: at least this many (row, token tile) programs for one pass
 # decode tiles (one token per row): inputs per shrink step, outputs per expand step, warps
-DECODE = {"split_bk": 64, "split_bn": 128, "fused_bk": 64, "fused_bn": 128, "warps": 4}
+# (benchmarks/lora.py --parts kernel on the H200: the two-pass form with 128 and 256 beat every
+# one-pass tiling at 8 and 128 rows but one, so decode runs two passes; prefill tiles one pass)
+DECODE = {"split_bk": 128, "split_bn": 256, "fused_bk": 256, "fused_bn": 256, "warps": 4}
 
 
 def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: LoraPack,
@@ -211,7 +213,7 @@ def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: Lo
     ids32 = ids.to(torch.int32)
     c = DECODE
     warps = 4 if dot else c["warps"]
-    if fused if fused is not None else n * mblocks >= FUSED_PROGRAMS:
+    if fused if fused is not None else (dot and n * mblocks >= FUSED_PROGRAMS):
         _fused[(n, mblocks)](xf, yf, ids32, p.buf, p.a_off, p.b_off, p.rank, p.scale, per_row, K, N,
                              xf.stride(0), yf.stride(0), R=R, BM=BM, BK=(32 if R >= 64 else 64) if dot else c["fused_bk"],
                              BN=64 if dot else c["fused_bn"], DOT=dot, num_warps=warps)
