@@ -33,6 +33,18 @@ def batches(vocab: int, batch: int, seq: int, count: int, seed: int) -> list[tor
     return [torch.randint(3, vocab, (batch, seq), generator=g) for _ in range(count)]
 
 
+def timed_steps(args: argparse.Namespace, vocab: int, step: Any) -> tuple[list[float], float]:
+    """Each batch's loss from step(ids), and the seconds of the steps after the warm-up ones."""
+    losses, t0 = [], 0.0
+    for i, ids in enumerate(batches(vocab, args.batch, args.seq, args.warmup + args.steps, args.seed)):
+        if i == args.warmup:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+        losses.append(step(ids))
+    torch.cuda.synchronize()
+    return losses, time.perf_counter() - t0
+
+
 def flexoff_run(args: argparse.Namespace) -> dict[str, Any]:
     from flexoff import LLM, Policy
     from flexoff.finetune.data import Example
@@ -52,16 +64,8 @@ def flexoff_run(args: argparse.Namespace) -> dict[str, Any]:
         new_adapter(spec, LoraSpec(args.rank, 2 * args.rank, targets), folder, 0)
         llm.load_lora("train", str(folder))
         trainer = LoraTrainer(llm, "train", TrainConfig(lr=1e-4, batch_size=args.batch))
-        data = batches(spec.vocab_size, args.batch, args.seq, args.warmup + args.steps, args.seed)
-        losses, t0 = [], 0.0
-        for i, ids in enumerate(data):
-            if i == args.warmup:
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-            exs = [Example(row.tolist(), [False] + [True] * (args.seq - 1)) for row in ids]
-            losses.append(trainer.step(exs))
-        torch.cuda.synchronize()
-        sec = time.perf_counter() - t0
+        losses, sec = timed_steps(args, spec.vocab_size, lambda ids: trainer.step(
+            [Example(row.tolist(), [False] + [True] * (args.seq - 1)) for row in ids]))
         return {"system": "flexoff", "policy": llm.choose_policy_for_training(args.batch).describe(),
                 "step_s": sec / args.steps, "train_tokens_per_s": args.steps * args.batch * args.seq / sec,
                 "losses": losses, "peak_gpu_bytes": torch.cuda.max_memory_allocated()}
@@ -81,23 +85,20 @@ def peft_run(args: argparse.Namespace) -> dict[str, Any]:
         if p.requires_grad:
             p.data = p.data.float()
     pm.train()
-    opt = torch.optim.AdamW([p for p in pm.parameters() if p.requires_grad], lr=1e-4)
-    data = batches(spec.vocab_size, args.batch, args.seq, args.warmup + args.steps, args.seed)
-    losses, t0 = [], 0.0
-    for i, ids in enumerate(data):
-        if i == args.warmup:
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
+    params = [p for p in pm.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4)
+
+    def step(ids: torch.Tensor) -> float:
         ids = ids.cuda()
         with torch.autocast("cuda", dtype=torch.float16):
             loss = pm(input_ids=ids, labels=ids).loss
         loss.backward()
-        torch.nn.utils.clip_grad_norm_([p for p in pm.parameters() if p.requires_grad], 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        losses.append(float(loss))
-    torch.cuda.synchronize()
-    sec = time.perf_counter() - t0
+        return float(loss)
+
+    losses, sec = timed_steps(args, spec.vocab_size, step)
     on_gpu = sum(1 for v in device_map.values() if v == 0)
     return {"system": "peft", "policy": f"{on_gpu} of {len(device_map)} modules on the GPU",
             "step_s": sec / args.steps, "train_tokens_per_s": args.steps * args.batch * args.seq / sec,

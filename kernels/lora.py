@@ -86,23 +86,24 @@ SPLIT_K = 512  # input features one shrink program reduces
 
 if HAVE_TRITON:
     @triton.jit
-    def _shrink(X, IDS, W, AOFF, RANK, V, per_row, K, sx, SPLIT,
-                R: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, DOT: tl.constexpr):
-        row = tl.program_id(0)
-        mb = tl.program_id(1)
-        sp = tl.program_id(2)
+    def _row(IDS, RANK, SCALE, per_row, row, mb, R: tl.constexpr, BM: tl.constexpr):
+        """A program's row: its adapter (clamped index), rank and scale, its tile of tokens and
+        which are live (rows on the base model have none), and the rank lanes in use."""
         a = tl.load(IDS + row)
         safe = tl.maximum(a, 0)
         r = tl.where(a >= 0, tl.load(RANK + safe), 0)
-        ao = tl.load(AOFF + safe)
         ms = mb * BM + tl.arange(0, BM)
         mlive = (ms < per_row) & ((ms * 0 + r) > 0)
         ks = tl.arange(0, R)
-        live = ks < r
-        toks = row * per_row + ms
+        return safe, tl.load(SCALE + safe), row * per_row + ms, ms < per_row, mlive, ks, ks < r
+
+    @triton.jit
+    def _shrink_tile(X, W, ao, toks, mlive, ks, live, k_lo, K, sx, KS: tl.constexpr, R: tl.constexpr,
+                     BM: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
+        """The tile's tokens times the adapter's A over inputs [k_lo, k_lo + KS): (BM, R) float32."""
         acc = tl.zeros((BM, R), tl.float32)
         for k0 in range(0, KS, BK):
-            cols = sp * KS + k0 + tl.arange(0, BK)
+            cols = k_lo + k0 + tl.arange(0, BK)
             cm = cols < K
             x = tl.load(X + toks[:, None] * sx + cols[None, :], mask=mlive[:, None] & cm[None, :], other=0.0)
             at = tl.load(W + ao + ks[None, :] * K + cols[:, None], mask=live[None, :] & cm[:, None], other=0.0)
@@ -110,28 +111,12 @@ if HAVE_TRITON:
                 acc += tl.dot(x, at)
             else:
                 acc += tl.sum(x[:, :, None].to(tl.float32) * at[None, :, :].to(tl.float32), axis=1)
-        tl.store(V + (toks[:, None] * SPLIT + sp) * R + ks[None, :], acc, mask=(ms < per_row)[:, None])
+        return acc
 
     @triton.jit
-    def _expand(Y, IDS, W, BOFF, RANK, SCALE, V, per_row, N, sy, SPLIT,
-                R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr):
-        row = tl.program_id(0)
-        mb = tl.program_id(1)
-        nb = tl.program_id(2)
-        a = tl.load(IDS + row)
-        safe = tl.maximum(a, 0)
-        r = tl.where(a >= 0, tl.load(RANK + safe), 0)
-        bo = tl.load(BOFF + safe)
-        sc = tl.load(SCALE + safe)
-        ms = mb * BM + tl.arange(0, BM)
-        mlive = (ms < per_row) & ((ms * 0 + r) > 0)
-        toks = row * per_row + ms
-        ks = tl.arange(0, R)
-        live = ks < r
-        v = tl.zeros((BM, R), tl.float32)
-        for s in range(0, SPLIT):
-            v += tl.load(V + (toks[:, None] * SPLIT + s) * R + ks[None, :], mask=mlive[:, None], other=0.0)
-        outs = nb * BN + tl.arange(0, BN)
+    def _expand_tile(Y, W, bo, sc, v, toks, mlive, ks, live, n0, N, sy, BN: tl.constexpr, DOT: tl.constexpr):
+        """Adds scale * v @ (the adapter's B transposed)[:, n0:n0 + BN] to the tile's rows of Y."""
+        outs = n0 + tl.arange(0, BN)
         om = outs < N
         bt = tl.load(W + bo + ks[:, None] * N + outs[None, :], mask=live[:, None] & om[None, :], other=0.0)
         if DOT:
@@ -143,48 +128,37 @@ if HAVE_TRITON:
         y = tl.load(ptr, mask=ym, other=0.0).to(tl.float32)
         tl.store(ptr, (y + d * sc).to(Y.dtype.element_ty), mask=ym)
 
-
-if HAVE_TRITON:
     @triton.jit
-    def _fused(X, Y, IDS, W, AOFF, BOFF, RANK, SCALE, per_row, K, N, sx, sy,
-               R: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr):
-        """One program per (row, tile of its tokens): shrink over all inputs, then expand onto
-        every output, reading the row's adapter once (many rows fill the GPU by themselves)."""
-        row = tl.program_id(0)
-        mb = tl.program_id(1)
-        a = tl.load(IDS + row)
-        safe = tl.maximum(a, 0)
-        r = tl.where(a >= 0, tl.load(RANK + safe), 0)
-        ao = tl.load(AOFF + safe)
-        bo = tl.load(BOFF + safe)
-        sc = tl.load(SCALE + safe)
-        ms = mb * BM + tl.arange(0, BM)
-        mlive = (ms < per_row) & ((ms * 0 + r) > 0)
-        toks = row * per_row + ms
-        ks = tl.arange(0, R)
-        live = ks < r
+    def _shrink(X, IDS, W, AOFF, RANK, SCALE, V, per_row, K, sx, SPLIT,
+                R: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, DOT: tl.constexpr):
+        """Pass one: program (row, token tile, split) writes its split's partial shrink to V."""
+        row, mb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        a, _, toks, mrow, mlive, ks, live = _row(IDS, RANK, SCALE, per_row, row, mb, R, BM)
+        acc = _shrink_tile(X, W, tl.load(AOFF + a), toks, mlive, ks, live, sp * KS, K, sx, KS, R, BM, BK, DOT)
+        tl.store(V + (toks[:, None] * SPLIT + sp) * R + ks[None, :], acc, mask=mrow[:, None])
+
+    @triton.jit
+    def _expand(Y, IDS, W, BOFF, RANK, SCALE, V, per_row, N, sy, SPLIT,
+                R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr):
+        """Pass two: program (row, token tile, block of outputs) sums the partials and expands."""
+        row, mb, nb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        a, sc, toks, _, mlive, ks, live = _row(IDS, RANK, SCALE, per_row, row, mb, R, BM)
         v = tl.zeros((BM, R), tl.float32)
-        for k0 in range(0, K, BK):
-            cols = k0 + tl.arange(0, BK)
-            cm = cols < K
-            x = tl.load(X + toks[:, None] * sx + cols[None, :], mask=mlive[:, None] & cm[None, :], other=0.0)
-            at = tl.load(W + ao + ks[None, :] * K + cols[:, None], mask=live[None, :] & cm[:, None], other=0.0)
-            if DOT:
-                v += tl.dot(x, at)
-            else:
-                v += tl.sum(x[:, :, None].to(tl.float32) * at[None, :, :].to(tl.float32), axis=1)
+        for s in range(0, SPLIT):
+            v += tl.load(V + (toks[:, None] * SPLIT + s) * R + ks[None, :], mask=mlive[:, None], other=0.0)
+        _expand_tile(Y, W, tl.load(BOFF + a), sc, v, toks, mlive, ks, live, nb * BN, N, sy, BN, DOT)
+
+    @triton.jit
+    def _fused(X, Y, IDS, W, AOFF, BOFF, RANK, SCALE, per_row, K, N, sx, sy, KP: tl.constexpr,
+               R: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr):
+        """One pass: program (row, tile of its tokens) shrinks over all inputs (K rounded up to
+        KP), then expands onto every output, reading the row's adapter once."""
+        row, mb = tl.program_id(0), tl.program_id(1)
+        a, sc, toks, _, mlive, ks, live = _row(IDS, RANK, SCALE, per_row, row, mb, R, BM)
+        v = _shrink_tile(X, W, tl.load(AOFF + a), toks, mlive, ks, live, 0, K, sx, KP, R, BM, BK, DOT)
+        bo = tl.load(BOFF + a)
         for n0 in range(0, N, BN):
-            outs = n0 + tl.arange(0, BN)
-            om = outs < N
-            bt = tl.load(W + bo + ks[:, None] * N + outs[None, :], mask=live[:, None] & om[None, :], other=0.0)
-            if DOT:
-                d = tl.dot(v.to(bt.dtype), bt)
-            else:
-                d = tl.sum(v[:, :, None] * bt[None, :, :].to(tl.float32), axis=1)
-            ym = mlive[:, None] & om[None, :]
-            ptr = Y + toks[:, None] * sy + outs[None, :]
-            y = tl.load(ptr, mask=ym, other=0.0).to(tl.float32)
-            tl.store(ptr, (y + d * sc).to(Y.dtype.element_ty), mask=ym)
+            _expand_tile(Y, W, bo, sc, v, toks, mlive, ks, live, n0, N, sy, BN, DOT)
 
 
 FUSED_PROGRAMS = 64  # prefill: at least this many (row, token tile) programs for one pass
@@ -214,13 +188,14 @@ def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: Lo
     c = DECODE
     warps = 4 if dot else c["warps"]
     if fused if fused is not None else (dot and n * mblocks >= FUSED_PROGRAMS):
+        bk = (32 if R >= 64 else 64) if dot else c["fused_bk"]
         _fused[(n, mblocks)](xf, yf, ids32, p.buf, p.a_off, p.b_off, p.rank, p.scale, per_row, K, N,
-                             xf.stride(0), yf.stride(0), R=R, BM=BM, BK=(32 if R >= 64 else 64) if dot else c["fused_bk"],
+                             xf.stride(0), yf.stride(0), KP=triton.cdiv(K, bk) * bk, R=R, BM=BM, BK=bk,
                              BN=64 if dot else c["fused_bn"], DOT=dot, num_warps=warps)
         return y
     split = triton.cdiv(K, SPLIT_K)
     v = torch.empty(tokens, split, R, dtype=torch.float32, device=x.device)
-    _shrink[(n, mblocks, split)](xf, ids32, p.buf, p.a_off, p.rank, v, per_row, K, xf.stride(0), split,
+    _shrink[(n, mblocks, split)](xf, ids32, p.buf, p.a_off, p.rank, p.scale, v, per_row, K, xf.stride(0), split,
                                  R=R, BM=BM, BK=32 if dot else c["split_bk"], KS=SPLIT_K, DOT=dot, num_warps=warps)
     BN = ((64 if R <= 32 else 32) if dot else c["split_bn"])
     _expand[(n, mblocks, triton.cdiv(N, BN))](yf, ids32, p.buf, p.b_off, p.rank, p.scale, v, per_row, N,
