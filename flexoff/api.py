@@ -300,13 +300,14 @@ class LLM:
     def engine_for(self, policy: Policy, max_prompt: int, max_gen: int, training: bool = False,
                    need: Need = Need()) -> Engine:
         """An engine for this policy and these sizes (and room for `need` of LoRA adapters): the
-        current one while it fits, else a new one whose weights the residency keeps, moves or
+        current one while it fits (a training engine runs inference blocks too: finetuning's eval
+        loss), else a new one whose weights the residency keeps, moves or
         reads again (offload.residency)."""
         from flexoff.quant.engine import formats
 
         e = self.engine
         if e is not None and e.policy == policy and e.max_prompt >= max_prompt and e.max_gen >= max_gen \
-                and e.training == training and all(a >= b for a, b in zip(astuple(e.adapter_need), astuple(need))):
+                and (e.training or not training) and all(a >= b for a, b in zip(astuple(e.adapter_need), astuple(need))):
             return e
         if e is not None:
             e.close()

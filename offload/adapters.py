@@ -131,6 +131,8 @@ class AdapterPool:
         self._cached: dict[str, int] = {}  # resident: adapter -> its first element in _buf
         self._top = 0  # resident: the cache's first free element
         self._copies: dict[int, list[tuple[torch.Tensor, int, int]]] = {}  # paged: layer -> (src, at, n)
+        self._page_at: dict[int, list[int]] = {}  # paged: layer -> each block adapter's place in a slot
+        self._offs = self._ranks = self._scales = torch.zeros(0)  # device tables (made by _reserve)
 
     # ---- sizes -------------------------------------------------------------------------------
     def need(self, blocks: Iterable[Iterable[str | None]]) -> Need:
@@ -210,10 +212,15 @@ class AdapterPool:
                 b_offs = [base[h.name] + s.b_off if s else 0 for h, s in zip(hosts, slots)]
             ranks = [s.rank if s else 0 for s in slots]
             scales = [s.scale if s else 0.0 for s in slots]
-            pad = cap.adapters - len(used)
-            for t, vals in ((p.a_off, a_offs), (p.b_off, b_offs), (p.rank, ranks), (p.scale, scales)):
-                t.copy_(torch.tensor(vals + [0] * pad, dtype=t.dtype), non_blocking=False)
             p.ranks, p.a_offs, p.b_offs, p.scales = tuple(ranks), tuple(a_offs), tuple(b_offs), tuple(scales)
+        # every pack's offsets, ranks and scales reach the device in one copy per table
+        for table, rows in ((self._offs, [o for p in self.packs.values() for o in (p.a_offs, p.b_offs)]),
+                            (self._ranks, [p.ranks for p in self.packs.values()]),
+                            (self._scales, [p.scales for p in self.packs.values()])):
+            host = torch.zeros(table.shape, dtype=table.dtype)
+            for i, vals in enumerate(rows):
+                host[i, :len(vals)] = torch.tensor(vals, dtype=table.dtype)
+            table.copy_(host)
 
     def _reserve(self, cap: Need, paged: bool, slots: int) -> None:
         """Device buffers for this room (kept while the room and the way of holding stay)."""
@@ -227,12 +234,13 @@ class AdapterPool:
         else:
             self._buf = torch.empty(max(1, cap.elements), dtype=self.dtype, device=dev)
         buf = self._buf if self._buf is not None else (self._slots[0] if self._slots else None)
-        n = max(1, cap.adapters)
-        self.packs = {key: LoraPack(buf, torch.zeros(n, dtype=torch.int64, device=dev),
-                                    torch.zeros(n, dtype=torch.int64, device=dev),
-                                    torch.zeros(n, dtype=torch.int32, device=dev),
-                                    torch.zeros(n, dtype=torch.float32, device=dev),
-                                    *self._fans[key], self.max_rank) for key in self.keys}
+        n, m = max(1, cap.adapters), len(self.keys)
+        # one device table per field, a row per pack: A's and B's offsets, ranks, scales
+        self._offs = torch.zeros(2 * m, n, dtype=torch.int64, device=dev)
+        self._ranks = torch.zeros(m, n, dtype=torch.int32, device=dev)
+        self._scales = torch.zeros(m, n, dtype=torch.float32, device=dev)
+        self.packs = {key: LoraPack(buf, self._offs[2 * i], self._offs[2 * i + 1], self._ranks[i], self._scales[i],
+                                    *self._fans[key], self.max_rank) for i, key in enumerate(self.keys)}
         self.version += 1
 
     def _place(self, hosts: list[HostAdapter]) -> dict[str, int]:
