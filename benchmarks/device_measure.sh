@@ -29,6 +29,9 @@
 #                                                   # finetuning llama-7b against PEFT training
 #   PHASE=E bash benchmarks/device_measure.sh OUT   # GPU tests; CPU-attention shapes; timelines of a
 #                                                   # CPU-attention and the compressed policy
+#   PHASE=P bash benchmarks/device_measure.sh OUT   # (2 GPUs) pipeline stages: OPT-1.3B on 1 and 2 GPUs
+#                                                   # (NCCL, same tokens); OPT-66B 512+32, 16 GiB per GPU,
+#                                                   # --policy auto, on 2 GPUs then 1, in one run
 # Predictions use benchmarks/data/h200-measured.json (flexoff profile on the device, with CPU attention
 # measured at OPT-30B's decode shape, 12 threads, while host-to-device copies run, by
 # `benchmarks/cpu_attention.py --rows 32 --tokens 528 --contention 4,8,12,16`).
@@ -164,5 +167,12 @@ PY
          --gpu-mem 16GiB --cpu-mem 100GiB --policy "$p" --out "$OUT" 2>&1 | grep -v "^\s*$" | tail -16
        rm -f "$OUT/trace.json.gz"
      done ;;
+  P) echo "=== pipeline check: opt-1.3b on 1 and 2 GPUs ($(date +%T))"
+     timeout 160 python3 benchmarks/pipeline.py --model dummy:opt-1.3b --prompt-len 64 --gen-len 8 --prompts 16 \
+       --policy "4x1:100,0,100,0,100,0" --gpu-mem 16GiB --gpus 1,2 --timeout 150 --out "$OUT/check" 2>&1 | tail -5
+     echo "=== pipeline: opt-66b 512+32, 16 GiB per GPU, auto, 2 GPUs then 1 ($(date +%T))"
+     timeout ${PIPE_S:-560} python3 benchmarks/pipeline.py --model dummy:opt-66b --prompt-len 512 --gen-len 32 \
+       --gpus 2,1 --gpu-mem 16GiB --cpu-mem ${HOST_MEM:-200GiB} --policy auto --hardware $HW \
+       --timeout ${CONFIG_S:-270} --out "$OUT" 2>&1 | tail -14 ;;
 esac
 echo "=== done ($(date +%T))"

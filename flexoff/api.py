@@ -22,8 +22,10 @@ from flexoff.adapters import Adapter, load_adapter
 from flexoff.checkpoint import LoadedModel, load_model
 from flexoff.errors import FlexoffError, GpuOutOfMemoryError, InputError
 from flexoff.generation import Completion, Request, RunStats, plan_blocks, run_block
+from flexoff.parallel import World
 from flexoff.offload.engine import Engine
 from flexoff.offload.adapters import AdapterPool, Need
+from flexoff.offload.pipeline import heaviest_stage, stage_layers, stage_spec
 from flexoff.offload.residency import Residency
 from flexoff.offload.tiers import Budgets
 from flexoff.policy.policy import Policy
@@ -142,7 +144,17 @@ class LLM:
                  disk_mem: int | str | None = None,
                  seed: int = 0, progress: bool = False, hardware: str | None = None,
                  compression: tuple[str, str] = ("off", "off"), lora: Mapping[str, str] | None = None,
-                 default_adapter: str | None = None):
+                 default_adapter: str | None = None, world: World | None = None):
+        self.world = world  # this process's pipeline stage and replica (flexoff.parallel), if several
+        if world is not None:
+            if str(device) == "auto":
+                device = world.device()
+            cpu_mem, disk_mem = (world.share(validate.size(m)) for m in (cpu_mem, disk_mem))
+            if offload_dir is not None:
+                offload_dir = f"{offload_dir}/rank-{world.rank}"
+            if lora and world.link is not None:
+                raise InputError("LoRA adapters are not served by pipeline stages yet; run them with "
+                                 "--pipeline-parallel 1 (data parallel) or in one process")
         self.device = pick_device(device)
         self.dtype = pick_dtype(dtype, self.device)
         self.model: LoadedModel = load_model(model, allow_pickle)
@@ -161,8 +173,15 @@ class LLM:
         self.compression = compression  # what --policy auto may use: off / on / auto, weights and cache
         self.engine: Engine | None = None
         # the tiers and weights, which outlive engines
-        self.residency = Residency(self.model.family, self.model.spec, self.device, self.dtype, offload_dir,
-                                   self.options.budgets)
+        link = world.link if world is not None else None
+        if link is not None and link.stages > self.model.spec.num_layers:
+            raise InputError(f"{link.stages} pipeline stages for a model of {self.model.spec.num_layers} blocks")
+        # the layers this process runs (a pipeline stage's share), and the stage a policy is planned for
+        self.engine_spec = stage_spec(self.model.spec, link.stage, link.stages) if link else self.model.spec
+        self.plan_spec = stage_spec(self.model.spec, heaviest_stage(self.model.spec, link.stages),
+                                    link.stages) if link else self.model.spec
+        self.residency = Residency(self.model.family, self.engine_spec, self.device, self.dtype, offload_dir,
+                                   self.options.budgets, link)
         self.allow_pickle = allow_pickle
         self.adapters: dict[str, Adapter] = {}  # LoRA adapters by name
         self._pool: tuple[tuple[str, ...], AdapterPool] | None = None
@@ -316,15 +335,26 @@ class LLM:
             total = torch.cuda.get_device_properties(self.device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, self._gpu_cap / total), self.device.index)
             self._capped = True
-        m = self.model
-        fmt, codec = formats(policy, m.spec, self.dtype)
+        m, link = self.model, self.residency.pipe
+        fmt, codec = formats(policy, self.engine_spec, self.dtype)
         layers = m.spec.layers
+        mine = stage_layers(m.spec, link.stage, link.stages) if link else tuple(range(len(layers)))
+
+        def read(j: int, dev: torch.device) -> Mapping[str, torch.Tensor]:  # the stage's layer j
+            g = mine[j]
+            return {} if g is None else m.source.layer(g, layers[g], self.dtype, dev)
+
         # a checkpoint is read into CPU memory; dummy weights are made where they go
         read_dev = self.device if m.name.startswith("dummy:") else torch.device("cpu")
-        self.engine = self.residency.engine(policy, fmt, codec, max_prompt, max_gen,
-                                            lambda j, dev: m.source.layer(j, layers[j], self.dtype, dev),
+        self.engine = self.residency.engine(self.stage_policy(policy), fmt, codec, max_prompt, max_gen, read,
                                             read_dev, self.progress, need, self.adapter_host_bytes(), training)
         return self.engine
+
+    def stage_policy(self, policy: Policy) -> Policy:
+        """The policy a pipeline stage's engine runs: room for as many of the policy's blocks as
+        there are stages, which follow each other through the stages as groups of one block."""
+        link = self.residency.pipe
+        return policy if link is None else policy.replace(num_gpu_batches=policy.num_gpu_batches * link.stages)
 
     def drop_engine(self) -> None:
         """Close the engine (after a failed run), keeping the resident weights."""
@@ -377,6 +407,9 @@ class LLM:
         else:
             defaults = SamplingParams(max_new_tokens, temperature, top_p, top_k, seed, tuple(stop or ()))
         reqs = requests if requests is not None else self.make_requests(prompts, defaults)
+        link = self.residency.pipe
+        if link is not None and on_logits is not None:
+            raise InputError("pipeline stages do not report logits (on_logits); run in one process")
         stats = RunStats()
         if not reqs:
             return GenerationOutput([], stats)
@@ -392,9 +425,11 @@ class LLM:
                                              max(1, max(r.params.max_new_tokens for r in todo)),
                                              need=self.adapter_need(policy.block_size, todo))
                     engine.adapters = self.adapter_pool()
-                    for block in plan_blocks(todo, policy.block_size):
+                    for block in plan_blocks(todo, self.stage_policy(policy).block_size):
                         comps, st = run_block(engine, self.tokenizer, block, self.seed, prompt_logprobs, on_logits)
                         st.peak_bytes = engine.peaks()
+                        if link is not None:  # the last stage sampled them
+                            comps, st = link.results((comps, st))
                         stats.add(st)
                         for r, c in zip(block, comps):
                             done[r.key] = c

@@ -29,10 +29,10 @@ def engine_plan(llm: Any, policy: Policy, prompt_len: int, gen_len: int) -> Memo
     """What the engine would allocate for this policy."""
     from flexoff.quant.engine import formats
 
-    m = llm.model
-    fmt, codec = formats(policy, m.spec, llm.dtype)
-    layouts = [Layout(fmt.fields(l)) for l in m.spec.layers]
-    return plan_memory(m.spec, layouts, codec.rec_bytes, policy, prompt_len, gen_len, llm.dtype,
+    spec, policy = llm.plan_spec, llm.stage_policy(policy)  # a pipeline's heaviest stage
+    fmt, codec = formats(policy, spec, llm.dtype)
+    layouts = [Layout(fmt.fields(l)) for l in spec.layers]
+    return plan_memory(spec, layouts, codec.rec_bytes, policy, prompt_len, gen_len, llm.dtype,
                        llm.device.type == "cuda",
                        adapters=adapter_bytes(llm.adapter_need(policy.block_size), llm.adapter_host_bytes(),
                                               layouts, policy, llm.dtype))
@@ -51,7 +51,7 @@ def auto_policy(llm: Any, prompt_len: int, gen_len: int, num_prompts: int | None
     for _ in range(4):
         excess = {t: 0.0 for t in TIERS}
         args = {"compress_weight": llm.compression[0], "compress_cache": llm.compression[1], **search_args}
-        cands = search(llm.model.spec, hw, work, budget, **args)
+        cands = search(llm.plan_spec, hw, work, budget, **args)
         for cand in cands[:8]:
             plan = engine_plan(llm, cand.policy, prompt_len, gen_len)
             try:

@@ -14,8 +14,10 @@ from typing import Any
 
 import click
 
-from flexoff import validate
-from flexoff.errors import FlexoffError, PolicyError
+from flexoff import parallel, validate
+from flexoff.errors import FlexoffError, InputError, PolicyError
+
+_ARGV: list[str] = []  # the command's arguments (--pipeline-parallel starts workers that run the same)
 
 def parse_size(text: str | None) -> int | None:
     """'16GiB', '500MB', '2e9' -> bytes (validate.size, as a click error)."""
@@ -162,12 +164,16 @@ def cli() -> None:
               help="A folder whose subfolders are PEFT adapters, each named after its subfolder.")
 @click.option("--default-adapter", default=None, help="The adapter of lines that name none.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--pipeline-parallel", type=click.IntRange(min=1), default=None,
+              help="Pipeline stages, one process and GPU each; outside torchrun, starts N workers on this "
+                   "host. Under torchrun: stages per replica (default: the host's processes).")
 @policy_options
 def run(model: str | None, input_path: str, output_path: str, max_new_tokens: int, temperature: float,
         top_p: float, top_k: int, seed: int, stop: tuple[str, ...], stop_token_ids: tuple[int, ...], n: int,
         logprobs: int | None, min_tokens: int, ignore_eos: bool, repetition_penalty: float, presence_penalty: float,
         frequency_penalty: float, chat: bool, input_format: str, dtype: str, device: str,
-        allow_pickle: bool, loras: tuple[str, ...], lora_dir: str | None, default_adapter: str | None, quiet: bool, policy_arg: str | None, percent: Any, gpu_batch_size: Any,
+        allow_pickle: bool, loras: tuple[str, ...], lora_dir: str | None, default_adapter: str | None, quiet: bool,
+        pipeline_parallel: int | None, policy_arg: str | None, percent: Any, gpu_batch_size: Any,
         num_gpu_batches: Any, cpu_cache_compute: Any, no_overlap: Any, compress_weight: Any,
         compress_cache: Any, gpu_mem: Any, cpu_mem: Any, disk_mem: Any, offload_dir: Any, hardware: Any) -> None:
     """Generate completions for a JSONL file of prompts."""
@@ -183,15 +189,26 @@ def run(model: str | None, input_path: str, output_path: str, max_new_tokens: in
     if input_path != "-":
         read_prompts(input_path, chat, input_format)  # fail fast on a bad file, before loading the model
     validate.output_file(output_path, "--output", input_path)
-    llm = LLM(model, policy=policy, device=device, dtype=dtype, allow_pickle=allow_pickle,
-              offload_dir=offload_dir, gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk_mem=disk_mem, seed=seed,
-              progress=not quiet, hardware=hardware,
-              compression=("on" if compress_weight else "off", "on" if compress_cache else "off"),
-              lora=adapter_paths(loras, lora_dir), default_adapter=default_adapter)
+    if pipeline_parallel is not None and not parallel.in_torchrun():
+        if input_path == "-":
+            raise InputError("--pipeline-parallel reads --input from a file; give its path")
+        raise click.exceptions.Exit(parallel.launch(pipeline_parallel, _ARGV))
+    world = parallel.init(pipeline_parallel) if parallel.in_torchrun() else None
     try:
-        res = run_job(llm, input_path, output_path, defaults, chat, input_format)
+        llm = LLM(model, policy=policy, device=device, dtype=dtype, allow_pickle=allow_pickle,
+                  offload_dir=offload_dir, gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk_mem=disk_mem, seed=seed,
+                  progress=not quiet and (world is None or world.leader), hardware=hardware,
+                  compression=("on" if compress_weight else "off", "on" if compress_cache else "off"),
+                  lora=adapter_paths(loras, lora_dir), default_adapter=default_adapter, world=world)
+        try:
+            res = run_job(llm, input_path, output_path, defaults, chat, input_format)
+        finally:
+            llm.close()
     finally:
-        llm.close()
+        if world is not None:
+            world.close()
+    if world is not None and not world.leader:
+        return
     st = res.stats
     if res.skipped:
         click.echo(f"resumed: {res.skipped} of {res.total} prompts were already answered", err=True)
@@ -479,6 +496,8 @@ def eval_summarize(suite: str, output_path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: user errors are one line on stderr and exit code 2."""
+    global _ARGV
+    _ARGV = list(argv) if argv is not None else sys.argv[1:]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run cleanups (offload folder) on kill
     signal.signal(signal.SIGHUP, lambda *_: sys.exit(129))  # and when the terminal closes
     try:

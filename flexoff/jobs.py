@@ -4,7 +4,8 @@ Knows: the prompts file format (one JSON object per line with `prompt`,
 `messages` or `prompt_ids`, an optional `id` (default: the line number) and
 optional per-line settings), the output file format, and resumption: results
 are appended and flushed to disk block by block, a rerun skips ids already
-answered, and a line cut short by a crash is dropped and redone.
+answered, and a line cut short by a crash is dropped and redone; under torchrun, which
+process writes what (a replica's shard, merged into the output).
 Does not know: models or generation internals (it calls LLM.generate).
 """
 
@@ -15,12 +16,13 @@ import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Callable
 
 from flexoff import openai_batch, validate
 from flexoff.errors import InputError
 from flexoff.generation import group_json
 from flexoff.lock import OutputLock
+from flexoff.parallel import merge_shards, shard_path
 
 
 @dataclass
@@ -144,48 +146,80 @@ class JobResult:
 
 def run_job(llm: Any, input_path: str, output_path: str, defaults: Any, chat: bool = False,
             input_format: str = "auto") -> JobResult:
-    """Run every prompt of input_path not yet answered in output_path, holding the output's lock."""
+    """Run every prompt of input_path not yet answered in output_path, holding the output's lock.
+    Under torchrun (llm.world) every process runs this: a replica's first stage writes its results
+    (the output itself, or with several replicas its shard file, merged into the output at the end
+    and at the start of a rerun); each replica answers the prompts it owns."""
     validate.output_file(output_path, "--output", input_path)
-    with OutputLock(output_path):
-        prompts = read_prompts(input_path, chat, input_format)
-        done = answered_ids(output_path)
-        writer = ResultWriter(output_path)
-        try:
-            refused = [(cid, why) for cid, why in prompts.refused if cid not in done]
-            if prompts.openai:  # a line that cannot be served is answered with its error; the job goes on
-                requests = []
-                for row in prompts.rows:
-                    try:
-                        requests += llm.make_requests([row], defaults)
-                    except InputError as e:
-                        if row["id"] not in done:
-                            refused.append((row["id"], str(e)))
-                writer.write([openai_batch.refusal(cid, why) for cid, why in refused])
-            else:
-                requests = llm.make_requests(prompts.rows, defaults)
-            todo = [r for r in requests if r.id not in done]
-            meta = {r["id"]: r.get("_openai") for r in prompts.rows}
-            samples = {r.id: r.params.n for r in todo}
-            pending: dict[str, list[Any]] = {}
+    world = getattr(llm, "world", None)
+    if world is None or world.size == 1:
+        with OutputLock(output_path):
+            prompts = read_prompts(input_path, chat, input_format)
+            return _answer(llm, prompts, output_path, answered_ids(output_path), defaults)
+    if input_path == "-" or (output_path == "-" and world.replicas > 1):
+        raise InputError("several processes read --input from a file and write --output to one; give both paths")
+    prompts = read_prompts(input_path, chat, input_format)
+    sharded = world.replicas > 1
+    if sharded and world.rank == 0:  # a killed run's shards first
+        with OutputLock(output_path):
+            merge_shards(output_path, answered_ids(output_path))
+    world.barrier()
+    path = shard_path(output_path, world) if sharded else output_path
+    if world.leader:
+        with OutputLock(path):
+            done = world.broadcast(answered_ids(output_path) | (answered_ids(path) if sharded else set()))
+            result = _answer(llm, prompts, path, done, defaults, world.owns)
+    else:
+        result = _answer(llm, prompts, None, world.broadcast(None), defaults, world.owns)
+    world.barrier()
+    if sharded and world.rank == 0:
+        with OutputLock(output_path):
+            merge_shards(output_path, answered_ids(output_path))
+    return result
 
-            def line(group: list[Any]) -> dict[str, Any]:
-                m = meta[group[0].id]
-                if m is None:
-                    return group_json(group)
-                return openai_batch.answer(group[0].id, m["url"], m["model"] or llm.model.name, group,
-                                           llm.tokenizer.decode)
 
-            def on_block(comps: list[Any], _: Any) -> None:  # a request's line once all its samples are done
-                lines = []
-                for c in comps:
-                    group = pending.setdefault(c.id, [])
-                    group.append(c)
-                    if len(group) == samples[c.id]:
-                        lines.append(line(sorted(pending.pop(c.id), key=lambda x: x.index)))
-                writer.write(lines)
+def _answer(llm: Any, prompts: Prompts, path: str | None, done: set[str], defaults: Any,
+            owns: Callable[[str], bool] = lambda rid: True) -> JobResult:
+    """Answer the prompts `owns` picks that are not `done`, appending to `path` (None: nowhere)."""
+    writer = ResultWriter(path) if path is not None else None
+    write = writer.write if writer is not None else (lambda records: None)
+    try:
+        refused = [(cid, why) for cid, why in prompts.refused if cid not in done and owns(cid)]
+        if prompts.openai:  # a line that cannot be served is answered with its error; the job goes on
+            requests = []
+            for row in prompts.rows:
+                try:
+                    requests += llm.make_requests([row], defaults)
+                except InputError as e:
+                    if row["id"] not in done and owns(row["id"]):
+                        refused.append((row["id"], str(e)))
+            write([openai_batch.refusal(cid, why) for cid, why in refused])
+        else:
+            requests = llm.make_requests(prompts.rows, defaults)
+        todo = [r for r in requests if r.id not in done and owns(r.id)]
+        meta = {r["id"]: r.get("_openai") for r in prompts.rows}
+        samples = {r.id: r.params.n for r in todo}
+        pending: dict[str, list[Any]] = {}
 
-            out = llm.generate([], requests=todo, on_block=on_block)
-        finally:
+        def line(group: list[Any]) -> dict[str, Any]:
+            m = meta[group[0].id]
+            if m is None:
+                return group_json(group)
+            return openai_batch.answer(group[0].id, m["url"], m["model"] or llm.model.name, group,
+                                       llm.tokenizer.decode)
+
+        def on_block(comps: list[Any], _: Any) -> None:  # a request's line once all its samples are done
+            lines = []
+            for c in comps:
+                group = pending.setdefault(c.id, [])
+                group.append(c)
+                if len(group) == samples[c.id]:
+                    lines.append(line(sorted(pending.pop(c.id), key=lambda x: x.index)))
+            write(lines)
+
+        out = llm.generate([], requests=todo, on_block=on_block)
+    finally:
+        if writer is not None:
             writer.close()
-    total = len(prompts.rows) + len(prompts.refused)
-    return JobResult(total, total - len({r.id for r in todo}) - len(refused), out.stats)
+    ids = [r["id"] for r in prompts.rows] + [cid for cid, _ in prompts.refused]
+    return JobResult(len(ids), sum(1 for i in ids if i in done), out.stats)

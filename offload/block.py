@@ -161,7 +161,7 @@ class BlockRun:
     attention calls, and (training) each batch's activation gradient in the reverse sweep."""
 
     def __init__(self, engine: "Engine", batches: list[BatchInput], gen_len: int, tasks: list[HeadTask]):
-        self.engine = engine
+        self.engine, self.gen_len = engine, gen_len
         pin = engine.device.type == "cuda"
         self.states = [BatchState(b, gen_len, engine.device, pin) for b in batches]
         self.tasks = tasks

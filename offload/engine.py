@@ -7,7 +7,8 @@ weights, the next step's KV cache and input), has the layer's op compute (each l
 forward or backward, offload.layer_ops), and keeps an overlap switch; the lanes, stores and
 buffers that live as long as the engine; where a block is resident on the compute device
 its decode runs through the lean path (offload.lean); prefill and decode timing; peak
-memory per tier. Per-block state lives in a BlockRun (offload.block), not here.
+memory per tier; as one stage of a pipeline, the block's batches in groups that follow each
+other through the stages, every token step run (offload.pipeline). Per-block state lives in a BlockRun (offload.block), not here.
 Does not know: layer kinds, tokenization, sampling rules or stop conditions (the caller
 passes a sampler and an on_tokens callback), where prompts come from.
 """
@@ -37,6 +38,7 @@ from flexoff.offload.layout import Layout, PlainFormat, WeightFormat
 from flexoff.offload.lean import LeanDecoder, graphs_enabled
 from flexoff.offload.memory import MemoryPlan, check, plan_memory
 from flexoff.offload.mover import Mover
+from flexoff.offload.pipeline import PipeLink, batch_groups
 from flexoff.offload.placement import ByteSplit
 from flexoff.offload.schedule import Sweep, block_plan, forward_sweeps, training_sweeps
 from flexoff.offload.tiers import Budgets, Ledger, Tiers
@@ -81,7 +83,8 @@ class Engine:
                  kv_codec: KVCodec | None = None, tiers: Tiers | None = None,
                  weights: WeightStore | None = None, credit: dict[str, int] | None = None,
                  moving: list[ByteSplit] | None = None, training: bool = False,
-                 cuda_graphs: bool | None = None, adapter_need: Need = Need(), adapter_host_bytes: int = 0):
+                 cuda_graphs: bool | None = None, adapter_need: Need = Need(), adapter_host_bytes: int = 0,
+                 pipe: PipeLink | None = None):
         self.fam, self.spec, self.policy, self.device, self.dtype = family, spec, policy, device, dtype
         self.max_prompt, self.max_gen = max_prompt, max_gen
         self.fmt = weight_format or PlainFormat(dtype)
@@ -114,8 +117,10 @@ class Engine:
         self.adapters: AdapterPool | None = None  # LoRA adapters the caller has loaded (set by it)
         self.weights.adapters = None
         self.keep_graphs = training and keeps_graphs(all(s.resident for s in self.weights.splits), policy)
+        self.pipe = pipe  # this engine runs one stage of a pipeline (offload.pipeline)
         self.ops = layer_ops(self)
-        self.lean = LeanDecoder(self, graphs_enabled(cuda_graphs)) if LeanDecoder.applies(self) else None
+        self.lean = LeanDecoder(self, graphs_enabled(cuda_graphs)) \
+            if pipe is None and LeanDecoder.applies(self) else None
         self.cpu_threads = cpu_attention_threads() if self.lanes.cuda and policy.cpu_cache_compute else 0
         self.cpu_attention_bytes = 0
         self.timing = {"wait_cpu_attention_s": 0.0, "cpu_attention_compute_s": 0.0, "cpu_attention_down_s": 0.0,
@@ -189,13 +194,23 @@ class Engine:
         """Generate up to gen_len tokens for every sequence of a block of GPU batches."""
         self._check_block(batches, gen_len)
         assert gen_len >= 1
+        pipe = self.pipe
+        if pipe is not None and not pipe.last:  # the last stage samples the tokens and sees them
+            on_tokens = lambda i, tokens: False  # noqa: E731
         with self._host_settings(), torch.inference_mode():
             run = BlockRun(self, batches, gen_len, [SampleTask(sampler, k, prompt_logprobs)
                                                      for k in range(len(batches))])
             clock = Clock(self, run.states, on_tokens)
             lean = self.lean is not None and gen_len > 1
+            if pipe is None:
+                sweeps, done = forward_sweeps(1 if lean else gen_len), clock.token_step_done
+            else:  # every stage runs every token step: a stop seen by the last alone would hang the others
+                sweeps = forward_sweeps(gen_len, batch_groups(len(batches), pipe.stages))
+                done = lambda i: clock.token_step_done(i) and False  # noqa: E731
             try:
-                self._execute(run, forward_sweeps(1 if lean else gen_len), clock.token_step_done)
+                self._execute(run, sweeps, done)
+                if pipe is not None:
+                    pipe.drain()
                 if lean and not clock.stop:
                     self.lean.decode(run, gen_len, clock)
                 return clock.finish()
@@ -207,8 +222,8 @@ class Engine:
         """One training window per batch (its whole sequence): a forward sweep that stashes each
         layer's input, the loss of the labels, then a reverse sweep of vector-Jacobian products
         through the frozen layers. The engine must have been made with training=True."""
-        if self.stash is None:
-            raise RuntimeError("internal: this engine was not made for training (training=True)")
+        if self.stash is None or self.pipe is not None:
+            raise RuntimeError("internal: this engine was not made for training (training=True, no pipeline)")
         self._check_block(batches, 0)
         assert all(b.labels is not None for b in batches)
         tokens = int(sum(int((b.labels != IGNORE).sum()) for b in batches))
@@ -252,8 +267,7 @@ class Engine:
             if not p.overlap:
                 run.finish_where(lambda c: True)
                 self.lanes.sync()
-            last = 0 if step.backward else L - 1
-            if step.j == last and step.k == K - 1 and sweep_done(step.i):
+            if plan.ends and sweep_done(step.i):
                 break
         run.finish_where(lambda c: True)
 

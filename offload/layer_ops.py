@@ -1,6 +1,6 @@
 """Each layer kind's work on one step of a block: a forward and a backward.
 
-Knows: for `embed`, `attn`, `mlp` and `head` layers, what a forward step loads, computes and
+Knows: for `embed`, `attn`, `mlp` and `head` layers (and a pipeline stage's `recv` and `send`), what a forward step loads, computes and
 stores (FlexGen's loop: load weight, load cache, load activation, compute, store activation,
 store cache), including decode attention on the CPU next to a CPU-resident cache; what a
 backward step computes: the vector-Jacobian product of the layer with respect to its input,
@@ -176,7 +176,10 @@ class EmbedOp(LayerOp):
     def forward(self, run: BlockRun, step: Step) -> None:
         w, deps = self._weights(run, step.k)
         self.e.lanes.compute.wait(deps)
-        ids, pos = run.states[step.k].inputs(step.i if not run.training else 0)
+        st = run.states[step.k]
+        if self.e.pipe is not None and step.i >= 1:  # the tokens come back from the pipeline's last stage
+            self.e.pipe.recv_tokens(st.tokens[step.i - 1])
+        ids, pos = st.inputs(step.i if not run.training else 0)
         self._output(step, self.e.fam.embed(w, ids, pos))
 
     def backward(self, run: BlockRun, step: Step) -> None:
@@ -202,6 +205,8 @@ class HeadOp(LayerOp):
         w, h = self._inputs(run, step)
         run.tasks[step.k].forward(e.fam, w, h, run.states[step.k], step.i)
         e.weights.was_read(self.j, e.lanes.compute.mark())
+        if e.pipe is not None and step.i < run.gen_len - 1:  # the first stage embeds them next
+            e.pipe.send_tokens(run.states[step.k].tokens[step.i])
 
     def backward(self, run: BlockRun, step: Step) -> None:
         e = self.e
@@ -346,7 +351,25 @@ class AttnOp(LayerOp):
         return done, box
 
 
-OPS = {"embed": EmbedOp, "attn": AttnOp, "mlp": MlpOp, "head": HeadOp}
+class RecvOp(LayerOp):
+    """A pipeline stage's input: the batch's hidden states from the stage before."""
+
+    def forward(self, run: BlockRun, step: Step) -> None:
+        e, st = self.e, run.states[step.k]
+        shape = (st.n, st.S if step.i == 0 else 1, e.spec.hidden_size)
+        self._output(step, e.pipe.recv_hidden(shape, e.dtype, e.device))
+
+
+class SendOp(LayerOp):
+    """A pipeline stage's output: the batch's hidden states go to the stage after."""
+
+    def forward(self, run: BlockRun, step: Step) -> None:
+        w, h = self._inputs(run, step)
+        self.e.pipe.send_hidden(h)
+        self.e.weights.was_read(self.j, self.e.lanes.compute.mark())
+
+
+OPS = {"embed": EmbedOp, "attn": AttnOp, "mlp": MlpOp, "head": HeadOp, "recv": RecvOp, "send": SendOp}
 
 
 def layer_ops(engine: "Engine") -> list[LayerOp]:

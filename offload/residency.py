@@ -23,6 +23,7 @@ from flexoff.offload.adapters import Need
 from flexoff.offload.engine import Engine
 from flexoff.offload.kvcache import KVCodec
 from flexoff.offload.layout import WeightFormat
+from flexoff.offload.pipeline import PipeLink
 from flexoff.offload.tiers import Budgets, Tiers
 from flexoff.offload.weights import WeightStore
 from flexoff.policy.policy import Policy
@@ -34,8 +35,9 @@ class Residency:
     """The tiers and the weight store of one model, across the engines made for it."""
 
     def __init__(self, family: Family, spec: ModelSpec, device: torch.device, dtype: torch.dtype,
-                 offload_dir: str | None, budgets: Budgets):
+                 offload_dir: str | None, budgets: Budgets, pipe: PipeLink | None = None):
         self.fam, self.spec, self.device, self.dtype = family, spec, device, dtype
+        self.pipe = pipe  # the engines run one pipeline stage (spec: the stage's layers)
         self.offload_dir, self.budgets = offload_dir, budgets
         self.tiers: Tiers | None = None
         self.weights: WeightStore | None = None  # the store the current engine uses
@@ -61,7 +63,8 @@ class Residency:
                           max_gen=max_gen, offload_dir=self.offload_dir, budgets=self.budgets, weight_format=fmt,
                           kv_codec=codec, tiers=self.tiers, weights=old if reuse else None,
                           credit=self._credit(old), moving=old.splits if old is not None and not reuse else None,
-                          adapter_need=adapter_need, adapter_host_bytes=adapter_host_bytes, training=training)
+                          adapter_need=adapter_need, adapter_host_bytes=adapter_host_bytes, training=training,
+                          pipe=self.pipe)
         try:
             engine = build(old)
         except MemoryBudgetError:

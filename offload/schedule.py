@@ -1,7 +1,8 @@
 """A block's work as data: the steps of FlexGen's zig-zag schedule, forward and reverse.
 
-Knows: the order in which (sweep i, layer j, GPU batch k) squares are computed, in
-forward sweeps (layers 0 .. L-1: a token step of inference, a training window's
+Knows: the order in which (sweep i, layer j, GPU batch k) squares are computed (a sweep
+runs all of a block's batches, or one group of them where the block's batches go through a
+token step in groups, as pipeline stages need), in forward sweeps (layers 0 .. L-1: a token step of inference, a training window's
 forward) and reverse sweeps (layers L-1 .. 0: a training window's backward); what
 comes next (whose KV cache and input to load) with the wrap-around from the last
 batch to the next layer and from a sweep's last layer to the next sweep; which
@@ -27,6 +28,7 @@ class Step(NamedTuple):
 class Sweep(NamedTuple):
     i: int  # token step or window
     backward: bool = False
+    batches: tuple[int, ...] | None = None  # the GPU batches it runs (None: all of the block's)
 
 
 class Plan(NamedTuple):
@@ -35,11 +37,15 @@ class Plan(NamedTuple):
     step: Step
     next: Step | None  # the step after it (its KV cache and input are loaded now); None at the end
     stage: tuple[int, ...]  # layers whose weights start loading now, in the order they will be needed
+    ends: bool  # the last step of its token step (or window's sweep): every group of batches ran it
 
 
-def forward_sweeps(gen_len: int) -> list[Sweep]:
-    """Inference: one forward sweep per token step."""
-    return [Sweep(i) for i in range(gen_len)]
+def forward_sweeps(gen_len: int, groups: Sequence[tuple[int, ...]] | None = None) -> list[Sweep]:
+    """Inference: one forward sweep per token step, or one per group of batches where the block's
+    batches go through the step in groups (pipeline stages: offload.pipeline)."""
+    if groups is None:
+        return [Sweep(i) for i in range(gen_len)]
+    return [Sweep(i, False, g) for i in range(gen_len) for g in groups]
 
 
 def training_sweeps(windows: int) -> list[Sweep]:
@@ -59,24 +65,31 @@ def block_plan(sweeps: Sequence[Sweep], num_layers: int, num_batches: int, *, ea
     finishing, say) need not hold up the start of layer j."""
     L = num_layers
     layers = [j for s in sweeps for j in _layers(s, L)]  # the block's layers in the order they run
-    steps = [(n, st) for n, s in enumerate(sweeps) for st in _order(s, L, num_batches, early)]
-    at = min(at, num_batches - 1)
+    steps = [(n, st) for n, s in enumerate(sweeps) for st in _order(s, L, _batches(s, num_batches), early)]
     for m, (n, st) in enumerate(steps):
         pos = n * L + (L - 1 - st.j if st.backward else st.j)  # this layer's place in `layers`
-        stage = tuple(layers[pos + 1:pos + 1 + ahead]) if st.k == at else ()
-        yield Plan(st, steps[m + 1][1] if m + 1 < len(steps) else None, stage)
+        ks = _batches(sweeps[n], num_batches)
+        stage = tuple(layers[pos + 1:pos + 1 + ahead]) if st.k == ks[min(at, len(ks) - 1)] else ()
+        nxt = steps[m + 1][1] if m + 1 < len(steps) else None
+        ends = nxt is None or (nxt.i, nxt.backward) != (st.i, st.backward)
+        yield Plan(st, nxt, stage, ends)
+
+
+def _batches(sweep: Sweep, num_batches: int) -> tuple[int, ...]:
+    return sweep.batches if sweep.batches is not None else tuple(range(num_batches))
 
 
 def _layers(sweep: Sweep, num_layers: int) -> range:
     return range(num_layers - 1, -1, -1) if sweep.backward else range(num_layers)
 
 
-def _order(sweep: Sweep, num_layers: int, num_batches: int, early: Collection[int]) -> list[Step]:
-    order = [Step(sweep.i, j, k, sweep.backward) for j in _layers(sweep, num_layers) for k in range(num_batches)]
-    if not sweep.backward and sweep.i >= 1 and num_batches >= 2:
+def _order(sweep: Sweep, num_layers: int, batches: tuple[int, ...], early: Collection[int]) -> list[Step]:
+    order = [Step(sweep.i, j, k, sweep.backward) for j in _layers(sweep, num_layers) for k in batches]
+    K = len(batches)
+    if not sweep.backward and sweep.i >= 1 and K >= 2:
         for j in sorted(early):
             if 1 <= j < num_layers:
-                a = j * num_batches - 1  # (j - 1, K - 1), followed by (j, 0)
+                a = j * K - 1  # (j - 1, its last batch), followed by (j, its first)
                 order[a], order[a + 1] = order[a + 1], order[a]
     return order
 

@@ -103,7 +103,7 @@ class WeightStore:
         """Store layer j's logical tensors (or its stored fields, if encoded) on its tiers."""
         s, lay = self.splits[j], self.layouts[j]
         enc = tensors if encoded else self.fmt.encode(self.layers[j], tensors)
-        dev = next(iter(enc.values())).device
+        dev = next(iter(enc.values())).device if enc else torch.device("cpu")  # a stage's recv or send: none
         flat = torch.empty(s.n, dtype=torch.uint8, device=dev)
         lay.pack(enc, flat)
         home = self.homes[j] = {t: self.mem.alloc(t, s.bytes_on(t)) for t in ("gpu", "cpu", "disk")

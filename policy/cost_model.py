@@ -103,10 +103,11 @@ class CostModel:
         wq = weight_config(choice.quant_bits, choice.quant_group) if choice.compress_weight else None
         kq = kv_config(choice.quant_bits, choice.quant_group, spec.head_dim) if choice.compress_cache else None
         self.count = {k: sum(1 for l in spec.layers if l.kind == k) for k in KINDS}
-        first = {k: next(j for j, l in enumerate(spec.layers) if l.kind == k) for k in KINDS}
-        self.W = {k: layer_bytes(spec.layers[first[k]], eb, wq) for k in KINDS}  # stored bytes
-        self.W_dense = {k: layer_bytes(spec.layers[first[k]], eb) for k in KINDS}
-        self.F = {k: spec.linear_flops(first[k]) for k in KINDS}  # matmul FLOPs per token
+        # a kind's first layer; a pipeline stage may lack the embedding or the head (count 0: costs 0)
+        first = {k: next((j for j, l in enumerate(spec.layers) if l.kind == k), None) for k in KINDS}
+        self.W = {k: layer_bytes(spec.layers[first[k]], eb, wq) if first[k] is not None else 0 for k in KINDS}
+        self.W_dense = {k: layer_bytes(spec.layers[first[k]], eb) if first[k] is not None else 0 for k in KINDS}
+        self.F = {k: spec.linear_flops(first[k]) if first[k] is not None else 0 for k in KINDS}  # per token
         self.kv = kv_record_bytes(spec.num_kv_heads, spec.head_dim, eb, kq)  # stored, per token per layer
         self.kv_dense = kv_record_bytes(spec.num_kv_heads, spec.head_dim, eb)
         self.A = spec.hidden_size * eb  # activation bytes per token
@@ -116,9 +117,10 @@ class CostModel:
         self.slots = weight_slots(choice.cpu_cache_compute)  # the engine's GPU weight slots
         # LoRA: the adapters a block uses, of the mean rank; each row's delta FLOPs per token
         used, mean = lora_per_block(work, choice.bls)
-        self.lora_layer = {k: used * mean * spec.lora_width(first[k]) * eb for k in KINDS}  # bytes per layer
+        width = {k: spec.lora_width(first[k]) if first[k] is not None else 0 for k in KINDS}
+        self.lora_layer = {k: used * mean * width[k] * eb for k in KINDS}  # bytes per layer
         self.lora_bytes = used * mean * sum(spec.lora_width(j) for j in range(len(spec.layers))) * eb
-        self.lora_F = {k: 2 * mean * spec.lora_width(first[k]) for k in KINDS}
+        self.lora_F = {k: 2 * mean * width[k] for k in KINDS}
 
     # ---- time ----------------------------------------------------------
     def terms(self, x: Mapping[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:

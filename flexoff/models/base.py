@@ -15,7 +15,7 @@ from typing import Any, Literal, Mapping, Protocol, Sequence
 import torch
 import torch.nn.functional as F
 
-LayerKind = Literal["embed", "attn", "mlp", "head"]
+LayerKind = Literal["embed", "attn", "mlp", "head", "recv", "send"]  # recv, send: pipeline stages' ends
 
 
 @dataclass(frozen=True)
