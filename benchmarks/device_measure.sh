@@ -167,12 +167,17 @@ PY
          --gpu-mem 16GiB --cpu-mem 100GiB --policy "$p" --out "$OUT" 2>&1 | grep -v "^\s*$" | tail -16
        rm -f "$OUT/trace.json.gz"
      done ;;
-  P) echo "=== pipeline check: opt-1.3b on 1 and 2 GPUs ($(date +%T))"
+  P) # the H200 profile with this host's memory (the profile was measured on a one-GPU host)
+     python3 -c "import json; d = json.load(open('$HW')); \
+       d['cpu_mem'] = 0.95 * 1024 * int(open('/proc/meminfo').readline().split()[1]); \
+       json.dump(d, open('$OUT/host.json', 'w'))" && HW=$OUT/host.json
+     [ -n "${SKIP_CHECK:-}" ] || { echo "=== pipeline check: opt-1.3b on 1 and 2 GPUs ($(date +%T))"
      timeout 160 python3 benchmarks/pipeline.py --model dummy:opt-1.3b --prompt-len 64 --gen-len 8 --prompts 16 \
-       --policy "4x1:100,0,100,0,100,0" --gpu-mem 16GiB --gpus 1,2 --timeout 150 --out "$OUT/check" 2>&1 | tail -5
+       --policy "4x1:100,0,100,0,100,0" --gpu-mem 16GiB --gpus 1,2 --timeout 150 --out "$OUT/check" 2>&1 | tail -5; }
      echo "=== pipeline: opt-66b 512+32, 16 GiB per GPU, auto, 2 GPUs then 1 ($(date +%T))"
      timeout ${PIPE_S:-560} python3 benchmarks/pipeline.py --model dummy:opt-66b --prompt-len 512 --gen-len 32 \
-       --gpus 2,1 --gpu-mem 16GiB --cpu-mem ${HOST_MEM:-200GiB} --policy auto --hardware $HW \
-       --timeout ${CONFIG_S:-270} --out "$OUT" 2>&1 | tail -14 ;;
+       --gpus ${GPUS:-2,1} --gpu-mem 16GiB --cpu-mem ${HOST_MEM:-200GiB} --policy auto --hardware $HW \
+       --timeout ${CONFIG_S:-270} --out "$OUT" 2>&1 | tail -14
+     tail -c 3000 "$OUT"/pipeline-*.err 2>/dev/null | grep -v "^\[rank.\]:  " | tail -25 ;;
 esac
 echo "=== done ($(date +%T))"

@@ -88,8 +88,9 @@ def run_config(args: argparse.Namespace, gpus: int, out: Path) -> list[dict[str,
     t0 = time.perf_counter()
     done = subprocess.run(cmd, env=env, timeout=args.timeout, capture_output=True, text=True)
     if done.returncode != 0 or not result.exists():
-        print(done.stderr[-4000:], file=sys.stderr)
-        return [{"gpus": gpus, "error": done.stderr.strip().splitlines()[-1:] if done.stderr else "no result"}]
+        (out / f"pipeline-{gpus}.err").write_text(done.stderr)
+        why = [l for l in done.stderr.splitlines() if "Error" in l or "error:" in l][-1:] or ["no result"]
+        return [{"gpus": gpus, "error": why[0][-300:]}]
     recs = json.loads(result.read_text())
     for r in recs:
         r.update(gpus=gpus, wall_s=time.perf_counter() - t0)
