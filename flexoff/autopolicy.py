@@ -45,7 +45,9 @@ def auto_policy(llm: Any, prompt_len: int, gen_len: int, num_prompts: int | None
     hw = profiler.load(llm.hardware, llm.options.offload_dir, log=lambda s: click.echo(s, err=True))
     b = llm.options.budgets
     budget = Budget.of(hw, b.gpu, b.cpu, b.disk)
-    budget = Budget(budget.gpu - llm.gpu_margin, budget.cpu, budget.disk)
+    share = llm.world.local_size if llm.world is not None else 1  # the host's processes share its memory, disk
+    budget = Budget(budget.gpu - llm.gpu_margin, min(budget.cpu, hw.cpu_mem / share),
+                    min(budget.disk, hw.disk_mem / share))
     work = Workload(prompt_len, gen_len, llm.dtype.itemsize, num_prompts, llm.lora_ranks())
     error: MemoryBudgetError | None = None
     for _ in range(4):

@@ -24,6 +24,7 @@ from flexoff.offload.activations import act_bytes, graph_bytes, keeps_graphs, st
 from flexoff.offload.kvcache import kv_bytes
 from flexoff.offload.layout import Layout
 from flexoff.offload.mover import CHUNK
+from flexoff.offload.pipeline import link_bytes
 from flexoff.offload.placement import TIERS
 from flexoff.offload.tiers import GiB, Budgets
 from flexoff.offload.weights import plan_weights, weight_bytes
@@ -80,6 +81,9 @@ def plan_memory(spec: ModelSpec, layouts: list[Layout], kv_rec_bytes: int, polic
         working += spec.largest_matmul_bytes(elem)
     working += spec.inflight_bytes(policy.gpu_batch_size, max_prompt, elem)
     plan.add("working", {"gpu": working})
+    sends = link_bytes(spec, policy.gpu_batch_size, max_prompt, elem)  # a pipeline stage's
+    if sends:
+        plan.add("pipeline transfers", {"gpu": sends})
     return plan
 
 

@@ -14,6 +14,7 @@ math (the layer ops call send and receive).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -22,6 +23,8 @@ import torch
 from flexoff.models.base import LayerSpec
 from flexoff.models.spec import ModelSpec
 
+INFLIGHT = 2  # sends a stage keeps in progress (copies of hidden states held on its device)
+POLL = 1e-4  # seconds between looks at a send the stage waits for
 RECV = LayerSpec("recv", -1, ())  # the stage's input arrives: hidden states of the stage before
 SEND = LayerSpec("send", -1, ())  # the stage's output leaves for the stage after
 
@@ -56,6 +59,13 @@ def stage_spec(spec: ModelSpec, stage: int, stages: int) -> ModelSpec:
     own = tuple(spec.layers[j] if j is not None else (RECV if n == 0 else SEND) for n, j in enumerate(layers))
     blocks = len(split_blocks(spec.num_layers, stages)[stage])
     return replace(spec, name=f"{spec.name} (stage {stage + 1} of {stages})", num_layers=blocks, layers=own)
+
+
+def link_bytes(spec: ModelSpec, rows: int, tokens: int, elem_bytes: int) -> int:
+    """Compute-device bytes a stage's transfers hold beyond its stores: INFLIGHT sent copies and
+    one received batch of hidden states (rows x tokens each); 0 for a whole model."""
+    ends = sum(l.kind in ("recv", "send") for l in spec.layers)
+    return (INFLIGHT + 1) * rows * tokens * spec.hidden_size * elem_bytes if ends else 0
 
 
 def heaviest_stage(spec: ModelSpec, stages: int) -> int:
@@ -112,9 +122,16 @@ class PipeLink:
         self._recv(out, self.ranks[-1], self.back)
 
     def _send(self, t: torch.Tensor, dst: int, group: Any) -> None:
+        """Send t without waiting for it, keeping at most INFLIGHT sends in progress (each holds
+        its copy until the receiver has it; the memory plan counts that many)."""
         import torch.distributed as dist
 
         self._sending = [(w, x) for w, x in self._sending if not w.is_completed()]
+        while len(self._sending) >= INFLIGHT:  # the receiver is behind: wait for the oldest
+            w, _ = self._sending[0]
+            while not w.is_completed():
+                time.sleep(POLL)
+            self._sending.pop(0)
         self._sending.append((dist.isend(t, dst, group=group), t))
         self.sent += t.nbytes
 
