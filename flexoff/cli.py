@@ -212,10 +212,14 @@ def run(model: str | None, input_path: str, output_path: str, max_new_tokens: in
     st = res.stats
     if res.skipped:
         click.echo(f"resumed: {res.skipped} of {res.total} prompts were already answered", err=True)
+    where = ""
+    if world is not None:
+        where = f"{world.stages} pipeline stages: " if world.stages > 1 else ""
+        where = f"replica {world.replica + 1} of {world.replicas}, {where}" if world.replicas > 1 else where
     if llm.last_policy is not None:
-        click.echo(f"policy: {llm.last_policy.describe()}", err=True)
+        click.echo(f"{where}policy: {llm.last_policy.describe()}", err=True)
     peaks = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in st.peak_bytes.items())
-    click.echo(st.summary() + (f"; peak memory {peaks}" if peaks else ""), err=True)
+    click.echo(where + st.summary() + (f"; peak memory {peaks}" if peaks else ""), err=True)
 
 
 @cli.command()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
@@ -172,6 +171,7 @@ def launch(stages: int, argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // stages)))  # cores per worker
     args = get_args_parser().parse_args(["--standalone", f"--nproc-per-node={stages}", "--max-restarts=0",
                                          "--module", "flexoff", *argv])
     try:
@@ -181,7 +181,3 @@ def launch(stages: int, argv: list[str]) -> int:
         codes = [f.exitcode for f in e.failures.values()]
         return next((c for c in codes if c and c > 0), 1)
 
-
-def worker_argv() -> list[str]:
-    """This process's flexoff arguments (for a launcher that starts workers running the same)."""
-    return sys.argv[1:]

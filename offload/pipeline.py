@@ -92,7 +92,8 @@ class PipeLink:
     back: Any  # process group for tokens (last -> first)
     control: Any  # a gloo group of the pipeline, for Python objects (results, requests)
     sent: int = 0  # bytes this stage has sent (hidden states, tokens)
-    _sending: list[tuple[Any, torch.Tensor]] = field(default_factory=list)
+    _sending: list[tuple[Any, torch.Tensor]] = field(default_factory=list)  # tokens
+    _held: list[tuple[Any, torch.Tensor]] = field(default_factory=list)  # hidden states
 
     @property
     def first(self) -> bool:
@@ -104,7 +105,7 @@ class PipeLink:
 
     def send_hidden(self, h: torch.Tensor) -> None:
         """Send a batch's hidden states to the next stage (a copy: the stores reuse their buffers)."""
-        self._send(h.contiguous().clone(), self.ranks[self.stage + 1], self.forward)
+        self._send(h.contiguous().clone(), self.ranks[self.stage + 1], self.forward, bounded=True)
 
     def recv_hidden(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A batch's hidden states from the stage before (on NCCL the compute stream waits for
@@ -121,18 +122,18 @@ class PipeLink:
         """The first stage receives a batch's tokens (n,) into `out` (contiguous)."""
         self._recv(out, self.ranks[-1], self.back)
 
-    def _send(self, t: torch.Tensor, dst: int, group: Any) -> None:
-        """Send t without waiting for it, keeping at most INFLIGHT sends in progress (each holds
-        its copy until the receiver has it; the memory plan counts that many)."""
+    def _send(self, t: torch.Tensor, dst: int, group: Any, bounded: bool = False) -> None:
+        """Send t without waiting for it. A bounded send (hidden states) first waits until fewer
+        than INFLIGHT bounded sends are in progress: each holds its copy on the device until the
+        next stage has it, and the memory plan counts that many. Tokens are never held back: the
+        last stage waiting on the first while the first waits on the second would close a cycle."""
         import torch.distributed as dist
 
-        self._sending = [(w, x) for w, x in self._sending if not w.is_completed()]
-        while len(self._sending) >= INFLIGHT:  # the receiver is behind: wait for the oldest
-            w, _ = self._sending[0]
-            while not w.is_completed():
-                time.sleep(POLL)
-            self._sending.pop(0)
-        self._sending.append((dist.isend(t, dst, group=group), t))
+        if bounded:
+            while len(self._held) >= INFLIGHT:  # the next stage is behind: wait for the oldest
+                _finish(*self._held.pop(0))
+        work = (dist.isend(t, dst, group=group), t)
+        (self._held if bounded else self._sending).append(work)
         self.sent += t.nbytes
 
     @staticmethod
@@ -143,8 +144,9 @@ class PipeLink:
 
     def drain(self) -> None:
         """Wait until every send has been received (the end of a block)."""
-        for w, _ in self._sending:
-            w.wait()
+        for w, t in self._held + self._sending:
+            _finish(w, t)
+        self._held.clear()
         self._sending.clear()
 
     def results(self, value: Any) -> Any:
@@ -159,3 +161,13 @@ class PipeLink:
         else:
             dist.recv_object_list(box, self.ranks[-1], group=self.control)
         return box[0]
+
+
+def _finish(work: Any, t: torch.Tensor) -> None:
+    """Wait on the host until a send is done: a gloo send's wait blocks until then; an NCCL
+    send's wait only orders the current stream after it, so its completion is polled."""
+    if not t.is_cuda:
+        work.wait()
+        return
+    while not work.is_completed():
+        time.sleep(POLL)

@@ -42,3 +42,13 @@ def test_smoke_suite_writes_valid_records(tmp_path):
     policies = {r["policy"] for r in recs if r["kind"] in ("run", "ablation", "frontier")}
     listed = [line for line in again.stdout.splitlines()[2:] if line.strip()]
     assert len(listed) == len(policies)
+
+
+def test_pipeline_smoke_runs_one_and_two_stages(tmp_path):
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "pipeline.py"), "--smoke", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    recs = [json.loads(l) for l in (tmp_path / "pipeline.jsonl").read_text().splitlines()]
+    assert [(r["gpus"], r["stage"]) for r in recs] == [(1, 0), (2, 0), (2, 1)]
+    assert all(r["decode_s"] > 0 and r["rows"] > 0 for r in recs)
+    assert recs[1]["sent_MB"] > 0 and recs[2]["same_tokens_as_1_gpu"] is True and recs[2]["vs_1_gpu"] > 0

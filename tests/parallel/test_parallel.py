@@ -132,11 +132,12 @@ def test_cli_pipeline_resumes_and_equals_one_process(models, tmp_path):
     assert subprocess.run(flexoff(*common, "--output", str(one)), env=env(), capture_output=True).returncode == 0
     ref = records(one)
     piped.write_text("".join(json.dumps(ref[k]) + "\n" for k in ("q3", "q7")))  # answered before
-    done = subprocess.run(flexoff(*common, "--output", str(piped), "--pipeline-parallel", "2"), env=env(),
+    done = subprocess.run(flexoff(*common[:-2], "--output", str(piped), "--pipeline-parallel", "2", "--policy", "auto",
+                                  "--hardware", "flexgen-t4", "--cpu-mem", "1GiB"), env=env(),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "resumed: 2 of 10" in done.stderr
-    assert records(piped) == ref
+    assert "resumed: 2 of 10" in done.stderr and "2 pipeline stages: policy:" in done.stderr
+    assert records(piped) == ref  # a searched policy, split in stages: the same tokens
 
 
 def test_cli_pipeline_bad_input_is_one_line(models, tmp_path):
@@ -192,3 +193,15 @@ def test_data_parallel_answers_each_id_once_and_survives_a_killed_replica(models
     assert "resumed:" in again.stderr
     assert records(dp) == ref  # every id exactly once, as one process answers it
     assert not list(tmp_path.glob("dp.jsonl.replica-*"))  # merged
+
+
+def test_pipeline_stages_refuse_lora_in_one_line():
+    from flexoff.errors import InputError
+    from flexoff.offload.pipeline import PipeLink
+    from flexoff.parallel import World
+
+    link = PipeLink(0, 2, (0, 1), None, None, None)
+    world = World(rank=0, size=2, local_rank=0, local_size=2, stages=2, link=link)
+    with pytest.raises(InputError, match="not served by pipeline stages"):
+        LLM("dummy:opt-tiny", lora={"a": "/nowhere"}, world=world, device="cpu")
+    assert World(3, 4, 1, 2, 2, None).replica == 1 and World(3, 4, 1, 2, 2, None).share(10) == 5
