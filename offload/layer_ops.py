@@ -1,11 +1,11 @@
 """Each layer kind's work on one step of a block: a forward and a backward.
 
-Knows: for `embed`, `attn`, `mlp` and `head` layers (and a pipeline stage's `recv` and `send`), what a forward step loads, computes and
-stores (FlexGen's loop: load weight, load cache, load activation, compute, store activation,
-store cache), including decode attention on the CPU next to a CPU-resident cache; what a
-backward step computes: the vector-Jacobian product of the layer with respect to its input,
-recomputed inside the layer from its stashed input (nothing else of the forward is kept),
-through frozen weights (no gradient is ever formed for a base weight).
+Knows: for `embed`, `attn`, `mlp` and `head` layers (and a pipeline stage's `recv` and `send`),
+what a forward step loads, computes and stores (FlexGen's loop: load weight, load cache, load
+activation, compute, store activation, store cache), including decode attention on the CPU next
+to a CPU-resident cache; what a backward step computes: the vector-Jacobian product of the
+layer with respect to its input, recomputed inside the layer from its stashed input (nothing
+else of the forward is kept), through frozen weights (no gradient is ever formed for a base weight).
 Does not know: the order of steps (offload.schedule), where tensors live (the stores do).
 """
 
