@@ -161,8 +161,7 @@ def run_job(llm: Any, input_path: str, output_path: str, defaults: Any, chat: bo
     prompts = read_prompts(input_path, chat, input_format)
     sharded = world.replicas > 1
     if sharded and world.rank == 0:  # a killed run's shards first
-        with OutputLock(output_path):
-            merge_shards(output_path, answered_ids(output_path))
+        _merge(output_path)
     world.barrier()
     path = shard_path(output_path, world) if sharded else output_path
     if world.leader:
@@ -173,9 +172,14 @@ def run_job(llm: Any, input_path: str, output_path: str, defaults: Any, chat: bo
         result = _answer(llm, prompts, None, world.broadcast(None), defaults, world.owns)
     world.barrier()
     if sharded and world.rank == 0:
-        with OutputLock(output_path):
-            merge_shards(output_path, answered_ids(output_path))
+        _merge(output_path)
     return result
+
+
+def _merge(output_path: str) -> None:
+    """The replicas' shard files into the output, under its lock."""
+    with OutputLock(output_path):
+        merge_shards(output_path, answered_ids(output_path))
 
 
 def _answer(llm: Any, prompts: Prompts, path: str | None, done: set[str], defaults: Any,

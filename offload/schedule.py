@@ -65,18 +65,16 @@ def block_plan(sweeps: Sequence[Sweep], num_layers: int, num_batches: int, *, ea
     finishing, say) need not hold up the start of layer j."""
     L = num_layers
     layers = [j for s in sweeps for j in _layers(s, L)]  # the block's layers in the order they run
-    steps = [(n, st) for n, s in enumerate(sweeps) for st in _order(s, L, _batches(s, num_batches), early)]
+    batches = [s.batches if s.batches is not None else tuple(range(num_batches)) for s in sweeps]
+    steps = [(n, st) for n, s in enumerate(sweeps) for st in _order(s, L, batches[n], early)]
     for m, (n, st) in enumerate(steps):
         pos = n * L + (L - 1 - st.j if st.backward else st.j)  # this layer's place in `layers`
-        ks = _batches(sweeps[n], num_batches)
+        ks = batches[n]
         stage = tuple(layers[pos + 1:pos + 1 + ahead]) if st.k == ks[min(at, len(ks) - 1)] else ()
         nxt = steps[m + 1][1] if m + 1 < len(steps) else None
         ends = nxt is None or (nxt.i, nxt.backward) != (st.i, st.backward)
         yield Plan(st, nxt, stage, ends)
 
-
-def _batches(sweep: Sweep, num_batches: int) -> tuple[int, ...]:
-    return sweep.batches if sweep.batches is not None else tuple(range(num_batches))
 
 
 def _layers(sweep: Sweep, num_layers: int) -> range:

@@ -34,7 +34,7 @@ def env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
 
 
-def torchrun(n: int, *args: str, **kw) -> list[str]:
+def torchrun(n: int, *args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", *args]
 
 
