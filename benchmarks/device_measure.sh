@@ -177,7 +177,9 @@ PY
      echo "=== pipeline: opt-66b 512+32, 16 GiB per GPU, auto, 2 GPUs then 1 ($(date +%T))"
      timeout ${PIPE_S:-560} python3 benchmarks/pipeline.py --model dummy:opt-66b --prompt-len 512 --gen-len 32 \
        --gpus ${GPUS:-2,1} --gpu-mem 16GiB --cpu-mem ${HOST_MEM:-200GiB} --policy auto --hardware $HW \
-       --timeout ${CONFIG_S:-270} --out "$OUT" 2>&1 | tail -14
+       --timeout ${CONFIG_S:-270} --out "$OUT" --memory-history "$OUT/memory" 2>&1 | tail -14
+     grep -h "^rank .: " "$OUT"/pipeline-*.err 2>/dev/null
+     head -12 "$OUT"/memory/*.txt 2>/dev/null
      tail -c 3000 "$OUT"/pipeline-*.err 2>/dev/null | grep -v "^\[rank.\]:  " | tail -25 ;;
 esac
 echo "=== done ($(date +%T))"

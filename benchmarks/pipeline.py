@@ -46,9 +46,17 @@ def worker(args: argparse.Namespace) -> None:
     reqs = llm.make_requests([{"prompt_ids": p} for p in ids],
                              SamplingParams(max_new_tokens=args.gen_len, ignore_eos=True))
     policy = llm.choose_policy(reqs)
+    print(f"rank {world.rank if world else 0}: {policy.describe()}", file=sys.stderr, flush=True)
     block = reqs[:llm.stage_policy(policy).block_size]
     engine = llm.engine_for(policy, args.prompt_len, args.gen_len)
-    comps, st = run_block(engine, llm.tokenizer, block, 0)
+    if args.memory_history:  # where the GPU's bytes went, written if the block fails
+        torch.cuda.memory._record_memory_history(max_entries=200000)
+    try:
+        comps, st = run_block(engine, llm.tokenizer, block, 0)
+    except torch.OutOfMemoryError:
+        if args.memory_history:
+            memory_report(Path(args.memory_history), world.rank if world else 0)
+        raise
     link = engine.pipe
     rec = {"stage": world.stage if world else 0, "layers": len(engine.spec.layers), "policy": policy.describe(),
            "rows": len(block), "prefill_s": st.prefill_s, "decode_s": st.decode_s,
@@ -67,6 +75,25 @@ def worker(args: argparse.Namespace) -> None:
         world.close()
 
 
+def memory_report(out: Path, rank: int) -> None:
+    """The live GPU blocks at the failure, summed by the innermost flexoff/offload frame that made them."""
+    import torch
+
+    snap = torch.cuda.memory._snapshot()
+    by: dict[str, int] = {}
+    for seg in snap["segments"]:
+        for b in seg["blocks"]:
+            if b["state"] != "active_allocated":
+                continue
+            frames = [f"{f['filename'].split('/work/main/')[-1]}:{f['line']} {f['name']}"
+                      for f in b.get("frames", []) if "/work/main/" in f["filename"]]
+            key = " < ".join(frames[:3]) or "?"
+            by[key] = by.get(key, 0) + b["size"]
+    lines = [f"{n / 2**30:8.3f} GiB  {k}" for k, n in sorted(by.items(), key=lambda kv: -kv[1])]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"memory-rank{rank}.txt").write_text("\n".join(lines) + "\n")
+
+
 def run_config(args: argparse.Namespace, gpus: int, out: Path) -> list[dict[str, Any]]:
     here = Path(__file__).resolve()
     result = out / f"pipeline-{gpus}.json"
@@ -74,6 +101,8 @@ def run_config(args: argparse.Namespace, gpus: int, out: Path) -> list[dict[str,
     flags = ["--worker", "--result", str(result), "--model", args.model, "--prompt-len", str(args.prompt_len),
              "--gen-len", str(args.gen_len), "--prompts", str(args.prompts), "--policy", args.policy,
              "--dtype", args.dtype, "--device", args.device]
+    if args.memory_history:
+        flags += ["--memory-history", args.memory_history]
     for name in ("gpu_mem", "cpu_mem", "hardware"):
         if getattr(args, name):
             flags += [f"--{name.replace('_', '-')}", getattr(args, name)]
@@ -135,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--timeout", type=int, default=900)
     ap.add_argument("--out", default="benchmarks/out")
+    ap.add_argument("--memory-history", default=None,
+                    help="On running out of GPU memory, write each rank's live blocks by source line here.")
     ap.add_argument("--smoke", action="store_true", help="1 and 2 stages of a tiny model on the CPU.")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--result", default=None, help=argparse.SUPPRESS)

@@ -88,7 +88,8 @@ class RowStore:
                 continue
             buf, track = self.homes[key][tier]
             part = span_of(h[r0:r1])
-            cp = self.mover.copy(Span(buf, 0, part.nbytes), part, [ev] + track.claim(), lane="store")
+            cp = self.mover.copy(Span(buf, 0, part.nbytes), part, [ev] + track.claim(), lane="store",
+                                 transient=True)
             track.wrote(cp)
             track.tag = tag
         self._stored[key] = st

@@ -170,7 +170,7 @@ class KVStore:
                 enc = self.codec.encode(k[r0:r1], v[r0:r1])  # (s, rows, rec), transient
             deps = [ev] + seg.track.claim()
             src = span_of(enc)
-            cp = self.mover.copy(Span(seg.buf, 0, src.nbytes), src, deps, lane="store")
+            cp = self.mover.copy(Span(seg.buf, 0, src.nbytes), src, deps, lane="store", transient=True)
             seg.track.wrote(cp)
             seg.track.tag = k.shape[2]  # tokens stored
 

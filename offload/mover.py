@@ -20,6 +20,7 @@ from flexoff.offload.lanes import DONE, Event, Lanes
 from flexoff.offload.tiers import DiskFile, Ledger
 
 CHUNK = 32 << 20  # bytes per disk transfer chunk
+SPILLING = 2  # disk writes of transient tensors that may wait at once (Mover.copy)
 LINK_CHUNK = 32 << 20  # bytes per host-device copy call
 IN_FLIGHT = 2  # paced copies keep this many chunks queued on the link
 
@@ -57,9 +58,14 @@ class Mover:
         self._bounce_ev: dict[str, list] = {"read": [None, None], "write": [None, None]}
         self.link_s = 0.0  # seconds the link spent on host-to-device copies (CUDA), once measured
         self._timed: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
+        self._spilling: deque[Event] = deque()  # disk writes of transient tensors, oldest first
 
     def copy(self, dst: Span, src: Span, deps: Iterable[Event] = (),
-             lane: Literal["load", "store"] = "load") -> Event:
+             lane: Literal["load", "store"] = "load", transient: bool = False) -> Event:
+        """Copy src's bytes to dst after `deps`. `transient`: src is a compute output that lives
+        only until copied; a disk write of one is started only while fewer than SPILLING others
+        are unwritten (the host waits), so a disk slower than compute does not pile them up in
+        device memory (the memory plan counts two layer-batches of them)."""
         assert dst.nbytes == src.nbytes, (dst.nbytes, src.nbytes)
         assert not (dst.on_disk and src.on_disk)
         if src.nbytes == 0:
@@ -68,7 +74,12 @@ class Mover:
         if src.on_disk:
             return self.lanes.disk_read.run(lambda: self._read(dst, src), deps)
         if dst.on_disk:
-            return self.lanes.disk_write.run(lambda: self._write(dst, src), deps)
+            ev = self.lanes.disk_write.run(lambda: self._write(dst, src), deps)
+            if transient:
+                while len(self._spilling) >= SPILLING:
+                    self._spilling.popleft().wait_host()
+                self._spilling.append(ev)
+            return ev
 
         deps = list(deps)
         if lane == "load" and self.lanes.feed is not None and dst.buf.is_cuda and not src.buf.is_cuda \

@@ -276,3 +276,52 @@ def test_moving_weights_counts_the_old_layers_until_they_have_moved(room_to_move
         n = len(llm.model.spec.layers)
         assert reads == list(range(n)) * (1 if room_to_move else 2)
     assert got == want
+
+
+def test_disk_writes_of_transient_outputs_are_bounded(tmp_path, monkeypatch):
+    """Compute outputs spilled to disk wait for the disk: while a slow disk writes, at most
+    SPILLING of them are unwritten (the memory plan counts them), every byte arrives, and copies
+    of buffers that live on (not transient) are not held back."""
+    import threading
+
+    from flexoff.offload.lanes import Lanes
+    from flexoff.offload.mover import SPILLING, Mover, Span, span_of
+    from flexoff.offload.tiers import Ledger, Tiers
+
+    lanes, tiers = Lanes(torch.device("cpu")), Tiers(torch.device("cpu"), str(tmp_path))
+    mem, lock = Ledger(tiers), threading.Lock()
+    mover = Mover(lanes, mem)
+    queued, most = [0], [0]
+    write = Mover._write
+
+    def slow_write(self, dst, src):
+        time.sleep(0.02)
+        write(self, dst, src)
+        with lock:
+            queued[0] -= 1
+
+    monkeypatch.setattr(Mover, "_write", slow_write)
+    n, parts = 4096, 8
+    files = [mem.alloc("disk", n) for _ in range(2 * parts)]
+    data = [torch.randint(0, 256, (n,), dtype=torch.uint8) for _ in range(2 * parts)]
+    for i in range(parts):
+        with lock:
+            queued[0] += 1
+        mover.copy(Span(files[i], 0, n), span_of(data[i]), lane="store", transient=True)
+        with lock:
+            most[0] = max(most[0], queued[0])
+    assert most[0] == SPILLING
+    for i in range(parts, 2 * parts):  # not transient: queued at once
+        with lock:
+            queued[0] += 1
+        mover.copy(Span(files[i], 0, n), span_of(data[i]), lane="store")
+    with lock:
+        assert queued[0] > SPILLING
+    lanes.sync()
+    for f, d in zip(files, data):
+        back = torch.empty(n, dtype=torch.uint8)
+        mover.copy(span_of(back), Span(f, 0, n)).wait_host()
+        assert torch.equal(back, d)
+    lanes.close()
+    mem.release()
+    tiers.close()
