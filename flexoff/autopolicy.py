@@ -22,7 +22,7 @@ from flexoff.offload.memory import MemoryPlan, check, plan_memory
 from flexoff.offload.placement import TIERS
 from flexoff.policy.cost_model import Workload
 from flexoff.policy.policy import Policy
-from flexoff.policy.search import Budget, search
+from flexoff.policy.search import GPU_BATCH_SIZES, NUM_GPU_BATCHES, Budget, search
 
 
 def engine_plan(llm: Any, policy: Policy, prompt_len: int, gen_len: int) -> MemoryPlan:
@@ -41,7 +41,8 @@ def engine_plan(llm: Any, policy: Policy, prompt_len: int, gen_len: int) -> Memo
 def auto_policy(llm: Any, prompt_len: int, gen_len: int, num_prompts: int | None, **search_args: Any) -> Policy:
     """The best searched policy that the engine's own accounting accepts. Where the engine needs
     more than the cost model counted (alignment, staging of whole tensors), the search is run
-    again with budgets lowered by the difference."""
+    again with budgets lowered by the difference. In a pipeline the search plans the heaviest
+    stage, whose engine holds one of the policy's blocks per stage (LLM.stage_policy)."""
     hw = profiler.load(llm.hardware, llm.options.offload_dir, log=lambda s: click.echo(s, err=True))
     b = llm.options.budgets
     budget = Budget.of(hw, b.gpu, b.cpu, b.disk)
@@ -49,16 +50,22 @@ def auto_policy(llm: Any, prompt_len: int, gen_len: int, num_prompts: int | None
     budget = Budget(budget.gpu - llm.gpu_margin, min(budget.cpu, hw.cpu_mem / share),
                     min(budget.disk, hw.disk_mem / share))
     work = Workload(prompt_len, gen_len, llm.dtype.itemsize, num_prompts, llm.lora_ranks())
+    stages = llm.residency.pipe.stages if llm.residency.pipe is not None else 1
+    if stages > 1 and "shapes" not in search_args:  # a stage holds one block per stage: plan its shape
+        cap = num_prompts or 1 << 30
+        search_args["shapes"] = [(g, b * stages) for g in GPU_BATCH_SIZES for b in NUM_GPU_BATCHES
+                                 if g <= cap and g * b < 2 * cap]
     error: MemoryBudgetError | None = None
     for _ in range(4):
         excess = {t: 0.0 for t in TIERS}
         args = {"compress_weight": llm.compression[0], "compress_cache": llm.compression[1], **search_args}
         cands = search(llm.plan_spec, hw, work, budget, **args)
         for cand in cands[:8]:
-            plan = engine_plan(llm, cand.policy, prompt_len, gen_len)
+            policy = cand.policy.replace(num_gpu_batches=cand.policy.num_gpu_batches // stages)
+            plan = engine_plan(llm, policy, prompt_len, gen_len)
             try:
                 check(plan, b, llm.device, llm.options.offload_dir)
-                return cand.policy
+                return policy
             except MemoryBudgetError as e:
                 error = e
             for t in TIERS:
