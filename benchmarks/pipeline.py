@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -38,6 +39,11 @@ def worker(args: argparse.Namespace) -> None:
     from flexoff.parallel import in_torchrun, init
     from throughput import parse_policy
 
+    rank, t0 = int(os.environ.get("RANK", "0")), time.perf_counter()
+
+    def say(what: str) -> None:  # progress, on stderr (kept in OUT/pipeline-N.err if the run fails)
+        print(f"rank {rank}: {what} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+
     world = init(None) if in_torchrun() else None
     llm = LLM(args.model, policy=parse_policy(args.policy), gpu_mem=args.gpu_mem, cpu_mem=args.cpu_mem,
               hardware=args.hardware, dtype=args.dtype, device=args.device, world=world)
@@ -45,18 +51,21 @@ def worker(args: argparse.Namespace) -> None:
     ids = torch.randint(10, 1000, (args.prompts, args.prompt_len), generator=gen).tolist()
     reqs = llm.make_requests([{"prompt_ids": p} for p in ids],
                              SamplingParams(max_new_tokens=args.gen_len, ignore_eos=True))
+    say("model loaded")
     policy = llm.choose_policy(reqs)
-    print(f"rank {world.rank if world else 0}: {policy.describe()}", file=sys.stderr, flush=True)
+    say(f"policy {policy.describe()}")
     block = reqs[:llm.stage_policy(policy).block_size]
     engine = llm.engine_for(policy, args.prompt_len, args.gen_len)
+    say("engine built, weights placed")
     if args.memory_history:  # where the GPU's bytes went, written if the block fails
         torch.cuda.memory._record_memory_history(max_entries=200000)
     try:
         comps, st = run_block(engine, llm.tokenizer, block, 0)
     except torch.OutOfMemoryError:
         if args.memory_history:
-            memory_report(Path(args.memory_history), world.rank if world else 0)
+            memory_report(Path(args.memory_history), rank)
         raise
+    say(f"block done: prefill {st.prefill_s:.1f} s, decode {st.decode_s:.1f} s")
     link = engine.pipe
     rec = {"stage": world.stage if world else 0, "layers": len(engine.spec.layers), "policy": policy.describe(),
            "rows": len(block), "prefill_s": st.prefill_s, "decode_s": st.decode_s,
@@ -115,11 +124,21 @@ def run_config(args: argparse.Namespace, gpus: int, out: Path) -> list[dict[str,
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}",
                str(here), *flags]
     t0 = time.perf_counter()
-    done = subprocess.run(cmd, env=env, timeout=args.timeout, capture_output=True, text=True)
-    if done.returncode != 0 or not result.exists():
-        (out / f"pipeline-{gpus}.err").write_text(done.stderr)
-        why = [l for l in done.stderr.splitlines() if "Error" in l or "error:" in l][-1:] or ["no result"]
+    err = out / f"pipeline-{gpus}.err"  # the processes' stderr, kept whatever happens
+    with err.open("w") as f:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=f, text=True,
+                                start_new_session=True)
+        try:
+            code = proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun's workers too
+            proc.wait()
+            return [{"gpus": gpus, "error": f"timed out after {args.timeout} s (stderr in {err.name})"}]
+    if code != 0 or not result.exists():
+        lines = err.read_text().splitlines()
+        why = [l for l in lines if "Error" in l or "error:" in l][-1:] or ["no result"]
         return [{"gpus": gpus, "error": why[0][-300:]}]
+    err.unlink()
     recs = json.loads(result.read_text())
     for r in recs:
         r.update(gpus=gpus, wall_s=time.perf_counter() - t0)
