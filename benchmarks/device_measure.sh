@@ -48,15 +48,14 @@ export FLEXOFF_COMMIT=$(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>
 HW=benchmarks/data/h200-measured.json
 CPU=(--policy "24x2:0,100,0,100,100,0:a" --policy "32x1:0,100,0,100,100,0:a" --policy "16x2:0,100,0,100,100,0:a")
 OPT30=(--model dummy:opt-30b --prompt-len 512 --gen-len 32 --cpu-mem 100GiB)
-evaluation() {  # $1: seconds
+evaluation() {  # $1: seconds; needs crfm-helm and the eval extra's packages (carry their wheels in .whl)
   echo "=== eval ($(date +%T))"
-  timeout "$1" flexoff eval run --run-entries "synthetic_reasoning:mode=pattern_match" --model dummy:opt-30b \
+  timeout "$1" flexoff eval run -r "synthetic_reasoning:mode=pattern_match" --model dummy:opt-30b \
     --policy auto --compress-weight --compress-cache --gpu-mem 16GiB --cpu-mem 100GiB --hardware $HW \
-    --max-eval-instances 200 --suite device \
-    --output-path /tmp/eval -q 2>&1 | tail -4
-  flexoff eval summarize --suite device --output-path /tmp/eval 2>&1 | tail -3
+    --max-eval-instances 300 --suite device -o /tmp/eval --local-path /tmp/prod_env -q 2>&1 | tail -4
+  helm-summarize --suite device -o /tmp/eval --local-path /tmp/prod_env >/dev/null 2>&1; echo "helm-summarize: $?"
   cp /tmp/eval/runs/device/*/stats.json "$OUT/eval_stats.json" 2>/dev/null
-  cp /tmp/eval/runs/device/summary.md "$OUT/eval_summary.md" 2>/dev/null
+  cp /tmp/eval/runs/device/groups/synthetic_reasoning.json "$OUT/eval_group_table.json" 2>/dev/null
 }
 case "${PHASE:-A}" in
   0) echo "=== gpu tests ($(date +%T))"

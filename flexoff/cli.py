@@ -422,80 +422,96 @@ def policy_search(model: str, prompt_len: int, gen_len: int, num_prompts: int | 
 
 @cli.group("eval")
 def eval_group() -> None:
-    """HELM-style offline evaluation."""
+    """HELM runs on flexoff (needs crfm-helm: pip install -e '.[eval]')."""
 
 
 @eval_group.command("run")
-@click.option("--run-entries", "entries", multiple=True, metavar="SCENARIO:KEY=VALUE,...",
-              help="e.g. synthetic_reasoning:mode=pattern_match (repeatable).")
+@click.option("--run-entries", "-r", "entries", multiple=True, metavar="SCENARIO:KEY=VALUE,...",
+              help="HELM run entries, e.g. synthetic_reasoning:mode=pattern_match (repeatable).")
 @click.option("--conf-paths", "confs", multiple=True, type=click.Path(dir_okay=False),
-              help="YAML or JSON files listing run entries.")
-@click.option("--model", default=None, help="As for `flexoff run`.")
+              help="HELM run-entry files (.conf, HOCON) (repeatable).")
+@click.option("--model", default=None, help="As for `flexoff run`; in HELM its name is flexoff/<name>.")
 @click.option("--max-eval-instances", type=click.IntRange(min=1), default=None)
+@click.option("--num-train-trials", type=click.IntRange(min=1), default=None)
 @click.option("--suite", default="default", show_default=True)
-@click.option("--output-path", default="benchmark_output", show_default=True, type=click.Path(file_okay=False))
+@click.option("--output-path", "-o", default="benchmark_output", show_default=True, type=click.Path(file_okay=False))
+@click.option("--local-path", default="prod_env", show_default=True, type=click.Path(file_okay=False),
+              help="Where the model's HELM metadata is written (helm-summarize reads it from here).")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "float16", "bfloat16"]), default="auto")
 @click.option("--device", default="auto")
 @click.option("--lora", "loras", multiple=True, metavar="NAME=PATH",
               help="A PEFT LoRA adapter, used by run entries with adapter=NAME (repeatable).")
 @click.option("--lora-dir", default=None, type=click.Path(file_okay=False), help="As for `flexoff run`.")
-@click.option("--quiet", "-q", is_flag=True)
+@click.option("--quiet", "-q", is_flag=True, help="No progress bars.")
+@click.option("--verbose", "-v", is_flag=True, help="HELM's own log of every step.")
 @policy_options
 def eval_run(entries: tuple[str, ...], confs: tuple[str, ...], model: str | None, max_eval_instances: int | None,
-             suite: str, output_path: str, dtype: str, device: str, loras: tuple[str, ...], lora_dir: str | None,
-             quiet: bool, policy_arg: Any, percent: Any,
+             num_train_trials: int | None, suite: str, output_path: str, local_path: str, dtype: str, device: str,
+             loras: tuple[str, ...], lora_dir: str | None, quiet: bool, verbose: bool, policy_arg: Any, percent: Any,
              gpu_batch_size: Any, num_gpu_batches: Any, cpu_cache_compute: Any, no_overlap: Any, compress_weight: Any,
              compress_cache: Any, gpu_mem: Any, cpu_mem: Any, disk_mem: Any, offload_dir: Any, hardware: Any) -> None:
-    """Run evaluations; each lands in OUTPUT/runs/SUITE/RUN_NAME/ and resumes if interrupted."""
-    from tqdm import tqdm
+    """Run HELM evaluations; each lands in OUTPUT/runs/SUITE/RUN_NAME/ and resumes if interrupted."""
+    from flexoff.eval.helm_env import announce, helm_name, register, require_helm
+
+    require_helm()
+    from helm.benchmark.runner import set_benchmark_output_path
 
     from flexoff.api import LLM
-    from flexoff.errors import InputError
-    from flexoff.eval.runner import evaluate, prompts_for
-    from flexoff.eval.runspec import parse_entry, read_entries
+    from flexoff.eval.runner import closing_row, closing_table, parse_entries, quiet_helm, run_specs, run_suite, \
+        safe_part
 
-    all_entries = list(entries) + [e for c in confs for e in read_entries(c)]
-    if not all_entries:
+    if not entries and not confs:
         raise InputError("give --run-entries or --conf-paths")
+    safe_part(suite, "--suite")
     validate.output_folder(output_path)
+    name = model or "smollm2"
+    quiet_helm(not verbose)
+    parsed = parse_entries(list(entries), list(confs), name, helm_name(name))
+    announce(name)
+    set_benchmark_output_path(output_path)
+    specs = run_specs(parsed, max_eval_instances, num_train_trials)  # refused here, before any loading
+    lora = adapter_paths(loras, lora_dir)
+    for _, adapter in specs:
+        if adapter is not None and adapter not in lora:
+            raise InputError(f"adapter={adapter}: not loaded (give --lora {adapter}=PATH)")
     policy = build_policy(policy_arg, percent, gpu_batch_size, num_gpu_batches, cpu_cache_compute,
                           no_overlap, compress_weight, compress_cache)
-    name = model or "smollm2"
-    runs = [parse_entry(e, name) for e in all_entries]
     llm = LLM(model, policy=policy, device=device, dtype=dtype, offload_dir=offload_dir,
-              lora=adapter_paths(loras, lora_dir), gpu_mem=gpu_mem,
+              lora=lora, gpu_mem=gpu_mem,
               cpu_mem=cpu_mem, disk_mem=disk_mem, hardware=hardware, progress=False,
               compression=("on" if compress_weight else "off", "on" if compress_cache else "off"))
-    results = []
     try:
-        for run in runs:
-            total = len(prompts_for(run, llm, max_eval_instances))
-            with tqdm(total=total, desc=run.name[:60], unit="instance", disable=quiet) as bar:
-                results.append(evaluate(llm, run, output_path, suite, max_eval_instances, bar.update))
+        register(name, llm, local_path)
+        for line in run_suite(llm, specs, output_path, suite, local_path, quiet):
+            click.echo(line, err=True)
     finally:
         llm.close()
-    keys = ["exact_match", "quasi_exact_match", "f1_score", "rouge_l", "perplexity", "actual_throughput",
-            "padded_throughput"]
-    click.echo(f"{'run':60} {'n':>5} " + " ".join(f"{k[:14]:>14}" for k in keys))
-    for r in results:
-        vals = " ".join(f"{r.stats[k]:14.4g}" if r.stats.get(k) is not None else f"{'-':>14}" for k in keys)
-        click.echo(f"{r.run.name[:60]:60} {r.instances:5d} {vals}")
-    for r in results:
-        if r.resumed:
-            click.echo(f"resumed {r.run.name}: {r.resumed} of {r.instances} instances were already done", err=True)
-    click.echo(f"results in {Path(output_path) / 'runs' / suite}", err=True)
+    runs = Path(output_path) / "runs" / suite
+    click.echo(closing_table([(spec.name, closing_row(runs / spec.name)) for spec, _ in specs]))
+    click.echo(f"results in {runs}; tables: helm-summarize --suite {suite} -o {output_path} "
+               f"--local-path {local_path}", err=True)
 
 
 @eval_group.command("summarize")
 @click.option("--suite", default="default", show_default=True)
-@click.option("--output-path", default="benchmark_output", show_default=True, type=click.Path(file_okay=False))
-def eval_summarize(suite: str, output_path: str) -> None:
-    """Write summary.md and summary.json across the suite's runs, and print the table."""
-    from flexoff.eval.summarize import summarize
+@click.option("--output-path", "-o", default="benchmark_output", show_default=True, type=click.Path(file_okay=False))
+@click.option("--local-path", default="prod_env", show_default=True, type=click.Path(file_okay=False))
+def eval_summarize(suite: str, output_path: str, local_path: str) -> None:
+    """HELM's own helm-summarize for the suite (its tables under OUTPUT/runs/SUITE/)."""
+    import subprocess
 
-    md, _ = summarize(output_path, suite)
-    click.echo(md, nl=False)
-    click.echo(f"wrote {Path(output_path) / 'runs' / suite / 'summary.md'} and summary.json", err=True)
+    from flexoff.eval.helm_env import require_helm
+    from flexoff.eval.runner import safe_part
+
+    require_helm()
+    safe_part(suite, "--suite")
+    if not (Path(output_path) / "runs" / suite).is_dir():
+        raise InputError(f"no runs of suite {suite!r} under {output_path}/runs")
+    done = subprocess.run([sys.executable, "-m", "helm.benchmark.presentation.summarize", "--suite", suite,
+                           "-o", output_path, "--local-path", local_path], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise FlexoffError(f"helm-summarize failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+    click.echo(f"wrote HELM's summary of {suite} under {Path(output_path) / 'runs' / suite}", err=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,6 @@
-"""The HELM-style offline evaluation harness (`flexoff eval`).
+"""`flexoff eval`: HELM's own runs (crfm-helm, the `eval` extra) with flexoff as the model.
 
-scenarios.py (instances; local-data scenarios) and synthetic.py (procedural reasoning) provide
-instances, adapter.py builds prompts, metrics.py scores, runspec.py parses run entries,
-runner.py executes and writes HELM's files, summarize.py tabulates a suite.
+helm_env.py imports HELM and registers the model with it, executor.py is the batched offline
+executor and tokenizer HELM calls, runner.py reads run entries and drives HELM's Runner.
+Importing this package does not import HELM.
 """
-
-from flexoff.eval import scenarios, synthetic  # noqa: F401  (synthetic registers its scenarios)

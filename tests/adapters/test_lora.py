@@ -149,22 +149,28 @@ def test_ppl_and_eval_use_an_adapter(tiny, tmp_path, capsys):
     got = float(capsys.readouterr().out.strip().splitlines()[-1].split()[-1])
     assert abs(got - want) < 1e-3 * want
 
+    pytest.importorskip("helm.benchmark.runner", reason="the eval extra (crfm-helm) is not installed")
     out = tmp_path / "ev"
-    entry = "synthetic_reasoning:mode=pattern_match,num_test=4,max_tokens=4"
+    entry = "synthetic_reasoning:mode=pattern_match"
     for extra in ([], ["--lora", f"b={adapters['b']}"]):
         e = entry + (",adapter=b" if extra else "")
         assert main(["eval", "run", "--run-entries", e, "--model", str(path), "--output-path", str(out), "-q",
-                     "--max-eval-instances", "4", *extra]) == 0, capsys.readouterr().err
-    runs = {d.name: d for d in (out / "runs" / "default").iterdir()}
-    with_adapter = [d for n, d in runs.items() if "adapter=b" in n]
+                     "--local-path", str(tmp_path / "prod_env"), "--max-eval-instances", "4", *extra]) == 0, \
+            capsys.readouterr().err
+    runs = {d.name: d for d in (out / "runs" / "default").iterdir() if d.name.startswith("synthetic")}
+    with_adapter = [d for n, d in runs.items() if n.endswith(",adapter=b")]
     assert len(runs) == 2 and len(with_adapter) == 1
-    spec = json.loads((with_adapter[0] / "run_spec.json").read_text())
-    assert spec["lora_adapter"] == "b"
+    states = json.loads((with_adapter[0] / "scenario_state.json").read_text())["request_states"]
+    req = states[0]["request"]
+    with LLM(str(path), lora={"b": adapters["b"]}) as llm:  # the adapter's own generation, directly
+        want = llm.generate([s["request"]["prompt"] for s in states], adapters=["b"] * len(states),
+                            max_new_tokens=req["max_tokens"], temperature=0.0, stop=req["stop_sequences"])
+    assert [c.text for c in want.completions] == [s["result"]["completions"][0]["text"] for s in states]
     capsys.readouterr()
     code = main(["eval", "run", "--run-entries", entry + ",adapter=zz", "--model", str(path), "--output-path",
-                 str(out), "-q", "--max-eval-instances", "4"])
+                 str(out), "-q", "--local-path", str(tmp_path / "prod_env"), "--max-eval-instances", "4"])
     err = capsys.readouterr().err
-    assert code == 2 and "unknown adapter 'zz'" in err and len(err.strip().splitlines()) == 1
+    assert code == 2 and "adapter=zz" in err and len(err.strip().splitlines()) == 1
 
 
 def test_adapters_are_counted_by_the_plan_and_the_cost_model(tiny, tmp_path, capsys):
