@@ -192,9 +192,9 @@ class FlexoffExecutor:
 def efficiency(folder: Path) -> dict[str, float]:
     """FlexGen's padded vs actual throughput over every block the run's folder recorded."""
     path = folder / EFFICIENCY
-    answered = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
+    lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
     blocks = []
-    for line in answered:
+    for line in lines:
         try:
             blocks.append(json.loads(line))
         except json.JSONDecodeError:  # a line a crash cut short
