@@ -22,7 +22,7 @@ from flexoff.offload.memory import MemoryPlan, check, plan_memory
 from flexoff.offload.placement import TIERS
 from flexoff.policy.cost_model import Workload
 from flexoff.policy.policy import Policy
-from flexoff.policy.search import GPU_BATCH_SIZES, NUM_GPU_BATCHES, Budget, search
+from flexoff.policy.search import Budget, default_shapes, search
 
 
 def engine_plan(llm: Any, policy: Policy, prompt_len: int, gen_len: int) -> MemoryPlan:
@@ -52,9 +52,7 @@ def auto_policy(llm: Any, prompt_len: int, gen_len: int, num_prompts: int | None
     work = Workload(prompt_len, gen_len, llm.dtype.itemsize, num_prompts, llm.lora_ranks())
     stages = llm.residency.pipe.stages if llm.residency.pipe is not None else 1
     if stages > 1 and "shapes" not in search_args:  # a stage holds one block per stage: plan its shape
-        cap = num_prompts or 1 << 30
-        search_args["shapes"] = [(g, b * stages) for g in GPU_BATCH_SIZES for b in NUM_GPU_BATCHES
-                                 if g <= cap and g * b < 2 * cap]
+        search_args["shapes"] = default_shapes(num_prompts, stages)
     error: MemoryBudgetError | None = None
     for _ in range(4):
         excess = {t: 0.0 for t in TIERS}

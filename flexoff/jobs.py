@@ -73,12 +73,14 @@ def read_prompts(path: str, chat: bool = False, input_format: str = "auto") -> P
     return out
 
 
-def answered_ids(path: str) -> set[str]:
-    """Ids already in the output file. A last line cut short by a crash is removed;
-    any other malformed line is an error (we do not append to a file we cannot read)."""
+def appended_records(path: str, what: str = "flexoff result",
+                     hint: str = " (use another --output)") -> list[tuple[int, dict[str, Any]]]:
+    """(line number, record) of a file ResultWriter appends to. A last line cut short by a crash
+    is removed from the file (a complete one missing its newline gets it), so appending can go
+    on; any other malformed line is an error (we do not append to a file we cannot read)."""
     p = Path(path)
     if path == "-" or not p.exists():
-        return set()
+        return []
     data = p.read_bytes()
     lines = data.split(b"\n")
     tail = lines.pop()  # bytes after the last newline: empty, or a cut-short line
@@ -91,16 +93,29 @@ def answered_ids(path: str) -> set[str]:
         except (json.JSONDecodeError, UnicodeDecodeError):
             with open(p, "r+b") as f:
                 f.truncate(len(data) - len(tail))
-    ids = set()
+    out = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             rec = json.loads(line)
-            ids.add(str(rec["custom_id"] if "custom_id" in rec else rec["id"]))
-        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            rec = None
+        if not isinstance(rec, dict):
+            raise InputError(f"output file {path} line {n} is not a {what}; refusing to append to it{hint}")
+        out.append((n, rec))
+    return out
+
+
+def answered_ids(path: str) -> set[str]:
+    """Ids already in the output file (see appended_records)."""
+    ids = set()
+    for n, rec in appended_records(path):
+        rid = rec.get("custom_id", rec.get("id"))
+        if rid is None:
             raise InputError(f"output file {path} line {n} is not a flexoff result; "
-                             "refusing to append to it (use another --output)") from None
+                             "refusing to append to it (use another --output)")
+        ids.add(str(rid))
     return ids
 
 

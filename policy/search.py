@@ -126,6 +126,15 @@ def _fits(mem: dict[str, float], budget: Budget) -> bool:
     return all(mem[t] <= getattr(budget, t) * (1 + 1e-9) for t in ("gpu", "cpu", "disk"))
 
 
+def default_shapes(num_prompts: int | None, stages: int = 1) -> list[tuple[int, int]]:
+    """The (GPU batch size, GPU batches) the search tries: no more rows per batch than prompts,
+    a block under twice the prompts. `stages`: a pipeline stage's engine holds one block per
+    stage, so its shape has `stages` times the batches."""
+    cap = num_prompts or 1 << 30
+    return [(g, b * stages) for g, b in itertools.product(GPU_BATCH_SIZES, NUM_GPU_BATCHES)
+            if g <= cap and g * b < 2 * cap]
+
+
 def search(spec: ModelSpec, hw: Hardware, work: Workload, budget: Budget, *,
            compress_weight: Toggle = "off", compress_cache: Toggle = "off",
            cpu_attention: Toggle = "auto", overlap: bool = True,
@@ -135,9 +144,7 @@ def search(spec: ModelSpec, hw: Hardware, work: Workload, budget: Budget, *,
     if no_disk:
         budget = Budget(budget.gpu, budget.cpu, 0.0)
     if shapes is None:
-        cap = work.num_prompts or 1 << 30
-        shapes = [(g, b) for g, b in itertools.product(GPU_BATCH_SIZES, NUM_GPU_BATCHES)
-                  if g <= cap and g * b < 2 * cap]
+        shapes = default_shapes(work.num_prompts)
     out = []
     L = sum(1 for l in spec.layers if l.kind == "attn")
     total = budget.gpu + budget.cpu + budget.disk

@@ -31,10 +31,11 @@ from helm.common.tokenization_request import (DecodeRequest, DecodeRequestResult
 from helm.tokenizers.tokenizer import Tokenizer
 
 from flexoff.eval.helm_env import TOKENIZERS
-from flexoff.jobs import ResultWriter, answered_ids
+from flexoff.jobs import ResultWriter, appended_records
 
 JOURNAL = "flexoff_requests.jsonl"  # in the run folder: finished requests' results
 EFFICIENCY = "flexoff_efficiency.jsonl"  # in the run folder: one line per block
+EFFICIENCY_RECORD = "flexoff efficiency record"
 BLOCK_FIELDS = ("prompt_tokens", "generated_tokens", "padded_prompt_tokens", "padded_generated_tokens",
                 "prefill_s", "decode_s")
 
@@ -125,16 +126,8 @@ class FlexoffExecutor:
 
     def journal(self) -> dict[str, RequestResult]:
         """Results of requests a previous run of this folder finished."""
-        path = self.folder / JOURNAL
-        answered_ids(str(path))  # drops a line a crash cut short
-        if not path.exists():
-            return {}
-        out = {}
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                rec = json.loads(line)
-                out[rec["id"]] = from_json(json.dumps(rec["result"]), RequestResult)
-        return out
+        recs = appended_records(str(self.folder / JOURNAL), "flexoff eval journal record", "")
+        return {rec["id"]: from_json(json.dumps(rec["result"]), RequestResult) for _, rec in recs}
 
     def execute(self, scenario_state: ScenarioState) -> ScenarioState:
         states: list[RequestState] = scenario_state.request_states
@@ -148,21 +141,22 @@ class FlexoffExecutor:
         if self.on_progress:
             self.on_progress(self.reused, len(states))
         if todo:
-            self._run(todo, done)
+            self._run(todo, done, keys)
         if self.on_progress:
             self.on_progress(len(states), len(states))
         return replace(scenario_state, request_states=[replace(s, result=done[k]) for k, s in zip(keys, states)])
 
-    def _run(self, todo: dict[str, Request], done: dict[str, RequestResult]) -> None:
+    def _run(self, todo: dict[str, Request], done: dict[str, RequestResult], keys: list[str]) -> None:
+        """Generate `todo` (by key), adding results to `done` and the journal block by block;
+        progress counts the run's request states (`keys`), identical requests once each."""
         from flexoff.sampling import SamplingParams
 
         llm, tok = self.llm, self.llm.tokenizer
         echo = any(r.echo_prompt for r in todo.values())
         extra = {"adapter": self.adapter} if self.adapter else {}
         reqs = llm.make_requests([{**flexoff_request(k, r), **extra} for k, r in todo.items()], SamplingParams())
+        appended_records(str(self.folder / EFFICIENCY), EFFICIENCY_RECORD, "")  # a crash's cut line goes first
         journal, blocks = ResultWriter(str(self.folder / JOURNAL)), ResultWriter(str(self.folder / EFFICIENCY))
-        finished = [len(done)]
-        total = len(done) + len(todo)
         t0 = [time.perf_counter()]
 
         def on_block(comps: list[Any], st: Any) -> None:
@@ -178,9 +172,8 @@ class FlexoffExecutor:
                 recs.append({"id": k, "result": asdict_without_nones(res)})
             journal.write(recs)
             blocks.write([{"requests": len(by), **{f: getattr(st, f) for f in BLOCK_FIELDS}}])
-            finished[0] += len(by)
             if self.on_progress:
-                self.on_progress(finished[0], total)
+                self.on_progress(sum(k in done for k in keys), len(keys))
 
         try:
             llm.generate([], requests=reqs, on_block=on_block, prompt_logprobs=echo)
@@ -191,14 +184,7 @@ class FlexoffExecutor:
 
 def efficiency(folder: Path) -> dict[str, float]:
     """FlexGen's padded vs actual throughput over every block the run's folder recorded."""
-    path = folder / EFFICIENCY
-    lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
-    blocks = []
-    for line in lines:
-        try:
-            blocks.append(json.loads(line))
-        except json.JSONDecodeError:  # a line a crash cut short
-            continue
+    blocks = [rec for _, rec in appended_records(str(folder / EFFICIENCY), EFFICIENCY_RECORD, "")]
     t = sum(b["prefill_s"] + b["decode_s"] for b in blocks)
     if not blocks or t <= 0:
         return {}

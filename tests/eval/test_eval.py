@@ -212,3 +212,22 @@ def test_local_data_is_a_helm_scenario_over_the_users_file(tmp_path, capsys):
                  str(tmp_path / "o2"), "--local-path", str(tmp_path / "p"), "-q"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "needs 'output'" in err[0]
+
+
+def test_a_journal_line_cut_by_a_crash_is_dropped_and_appending_goes_on(tmp_path):
+    from helm.common.general import asdict_without_nones
+    from helm.common.request import GeneratedOutput, RequestResult, Token
+
+    from flexoff.eval.executor import JOURNAL, FlexoffExecutor
+
+    res = RequestResult(success=True, embedding=[], cached=False, completions=[
+        GeneratedOutput(text=" 4", logprob=-0.5, tokens=[Token(" 4", -0.5)], finish_reason={"reason": "stop"})])
+    line = json.dumps({"id": "k1", "result": asdict_without_nones(res)})
+    (tmp_path / JOURNAL).write_text(line + "\n" + line[:40])
+    ex = FlexoffExecutor(None, None, None)
+    ex.folder = tmp_path
+    assert ex.journal() == {"k1": res}
+    assert (tmp_path / JOURNAL).read_text() == line + "\n"
+    (tmp_path / JOURNAL).write_text(line + "\nnot json\n" + line + "\n")
+    with pytest.raises(Exception, match="line 2 is not a flexoff eval journal record"):
+        ex.journal()
