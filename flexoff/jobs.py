@@ -22,7 +22,7 @@ from flexoff import openai_batch, validate
 from flexoff.errors import InputError
 from flexoff.generation import group_json
 from flexoff.lock import OutputLock
-from flexoff.parallel import merge_shards, shard_path
+from flexoff.parallel import SHARD, shard_path
 
 
 @dataclass
@@ -189,6 +189,27 @@ def run_job(llm: Any, input_path: str, output_path: str, defaults: Any, chat: bo
     if sharded and world.rank == 0:
         _merge(output_path)
     return result
+
+
+def merge_shards(output: str, done: set[str]) -> int:
+    """Append to `output` the results in its replicas' shard files (any earlier run's too) whose
+    ids it lacks (`done`: the ids it holds), fsync, then remove the shards. Returns lines added."""
+    shards = sorted(Path(output).parent.glob(Path(output).name + SHARD + "*"))
+    lines = []
+    for p in shards:
+        for _, rec in appended_records(str(p), hint="; move it away and rerun"):
+            rid = str(rec.get("custom_id", rec.get("id")))
+            if rid not in done:
+                done.add(rid)
+                lines.append(json.dumps(rec, ensure_ascii=False) + "\n")  # as ResultWriter wrote it
+    if lines:
+        with open(output, "a", encoding="utf-8") as f:
+            f.write("".join(lines))
+            f.flush()
+            os.fsync(f.fileno())
+    for p in shards:
+        p.unlink()
+    return len(lines)
 
 
 def _merge(output_path: str) -> None:

@@ -4,20 +4,18 @@ Knows: the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE)
 pipelines (consecutive ranks, `stages` of them per replica; torchrun numbers a host's ranks
 consecutively, so a replica of LOCAL_WORLD_SIZE stages is one host) and the process groups each
 needs; this rank's device and its share of the host's CPU memory and disk; which prompts a
-replica answers (a hash of the id); a data-parallel job's shard files (one per replica, written
-as `flexoff run` writes its output) and their merge into the output; starting torchrun itself
+replica answers (a hash of the id); the name of a data-parallel replica's shard file (merged into
+the output by flexoff.jobs); starting torchrun itself
 for `flexoff run --pipeline-parallel N`.
 Does not know: the engine's schedule (offload.pipeline), generation, prompt formats.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import zlib
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -128,40 +126,6 @@ def init(stages: int | None) -> World:
 # ---- data-parallel results ------------------------------------------------------------------
 def shard_path(output: str, world: World) -> str:
     return f"{output}{SHARD}{world.replica}-of-{world.replicas}"
-
-
-def _records(path: Path) -> list[tuple[str, str]]:
-    """(id, line) of each complete JSON line (a last line cut short by a kill is left out)."""
-    out = []
-    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
-        if not line.endswith("\n"):
-            break
-        try:
-            rec = json.loads(line)
-            out.append((str(rec["custom_id"] if "custom_id" in rec else rec["id"]), line))
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise InputError(f"{path} holds a line that is not a flexoff result; move it away and rerun") from None
-    return out
-
-
-def merge_shards(output: str, done: set[str]) -> int:
-    """Append to `output` the results in its replicas' shard files (any earlier run's too) whose
-    ids it lacks (`done`: the ids it holds), fsync, then remove the shards. Returns lines added."""
-    shards = sorted(Path(output).parent.glob(Path(output).name + SHARD + "*"))
-    lines = []
-    for p in shards:
-        for rid, line in _records(p):
-            if rid not in done:
-                done.add(rid)
-                lines.append(line)
-    if lines:
-        with open(output, "a", encoding="utf-8") as f:
-            f.write("".join(lines))
-            f.flush()
-            os.fsync(f.fileno())
-    for p in shards:
-        p.unlink()
-    return len(lines)
 
 
 # ---- launching ------------------------------------------------------------------------------
