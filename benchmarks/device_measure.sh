@@ -6,7 +6,9 @@
 #                                                   # cache on CPU at three shapes, auto, ablations
 #   PHASE=B bash benchmarks/device_measure.sh OUT   # ablations, every row in one run (about 9 minutes)
 #   PHASE=H bash benchmarks/device_measure.sh OUT   # the latency-throughput frontier over small blocks
-#   PHASE=C bash benchmarks/device_measure.sh OUT   # eval run on OPT-30B (about 4 minutes)
+#   PHASE=C bash benchmarks/device_measure.sh OUT   # eval run on OPT-30B (about 4 minutes), then a timeline
+#   PHASE=Q bash benchmarks/device_measure.sh OUT   # only the eval run: HELM synthetic_reasoning, 300 instances,
+#                                                   # dummy OPT-30B, 16 GiB GPU, auto with compression
 #   PHASE=D bash benchmarks/device_measure.sh OUT   # the full system, auto without compression and
 #                                                   # the Accelerate baseline in one run (for their
 #                                                   # ratios; about 8 minutes)
@@ -48,14 +50,17 @@ export FLEXOFF_COMMIT=$(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>
 HW=benchmarks/data/h200-measured.json
 CPU=(--policy "24x2:0,100,0,100,100,0:a" --policy "32x1:0,100,0,100,100,0:a" --policy "16x2:0,100,0,100,100,0:a")
 OPT30=(--model dummy:opt-30b --prompt-len 512 --gen-len 32 --cpu-mem 100GiB)
-evaluation() {  # $1: seconds; needs crfm-helm and the eval extra's packages (carry their wheels in .whl)
+evaluation() {  # $1: seconds; needs crfm-helm and the eval extra's packages (carried as wheels)
   echo "=== eval ($(date +%T))"
+  mkdir -p "$OUT/eval"
   timeout "$1" flexoff eval run -r "synthetic_reasoning:mode=pattern_match" --model dummy:opt-30b \
     --policy auto --compress-weight --compress-cache --gpu-mem 16GiB --cpu-mem 100GiB --hardware $HW \
-    --max-eval-instances 300 --suite device -o /tmp/eval --local-path /tmp/prod_env -q 2>&1 | tail -4
-  helm-summarize --suite device -o /tmp/eval --local-path /tmp/prod_env >/dev/null 2>&1; echo "helm-summarize: $?"
-  cp /tmp/eval/runs/device/*/stats.json "$OUT/eval_stats.json" 2>/dev/null
-  cp /tmp/eval/runs/device/groups/synthetic_reasoning.json "$OUT/eval_group_table.json" 2>/dev/null
+    --max-eval-instances 300 --suite device -o /tmp/eval --local-path /tmp/prod_env -q 2>&1 | tee "$OUT/eval/run.log"
+  echo "=== helm-summarize ($(date +%T))"
+  helm-summarize --suite device -o /tmp/eval --local-path /tmp/prod_env >"$OUT/eval/summarize.log" 2>&1
+  echo "helm-summarize exit $?"
+  (cd /tmp/eval/runs/device && find . \( -name "*.json" -o -name "*.jsonl" \) -size -2M -exec cp --parents {} "$OUT/eval" \;)
+  ls -R "$OUT/eval" | head -30
 }
 case "${PHASE:-A}" in
   0) echo "=== gpu tests ($(date +%T))"
@@ -80,6 +85,7 @@ case "${PHASE:-A}" in
      echo "exit $?"; free -g | head -2; grep -v "^\s*$" "$OUT/b.log" | grep -v "^---" ;;
   H) timeout 585 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW \
        --frontier 1x1,4x1,8x1,16x1,32x1,24x2 --time-budget 450 --out "$OUT" 2>&1 | grep -v "^\s*$" | grep -v "^---" ;;
+  Q) evaluation "${LEFT:-480}" ;;
   C) evaluation 400
      # where a compressed block's decode time goes, on OPT-30B cut to 4 layers (same per-layer work)
      mkdir -p /tmp/cut && python3 -c "import sys; sys.path.insert(0, 'benchmarks'); from pathlib import Path; \
