@@ -105,7 +105,7 @@ class RowStore:
         assert st.tag == tag, f"{key}: holds {st.tag}, {tag} was asked for"
         if key in self._loaded or self.all_gpu:
             return
-        out = torch.empty(st.shape, dtype=self.dtype, device=self.device)
+        out = self._load_target(st.shape)
         evs = []
         for tier, r0, r1 in row_segments(st.shape[0], self.split):
             dst = span_of(out[r0:r1])
@@ -119,6 +119,16 @@ class RowStore:
             evs.append(ev)
         self._loaded[key] = (tag, out, evs)
 
+    def _load_target(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A device tensor for the load stream to fill, made in that stream's memory pool: memory
+        freed in the compute stream's pool may still be used by compute kernels queued behind the
+        host, and a copy on another stream would race them (`take` records compute's use)."""
+        stream = getattr(self.lanes.load, "stream", None)
+        if stream is None:
+            return torch.empty(shape, dtype=self.dtype, device=self.device)
+        with torch.cuda.stream(stream):
+            return torch.empty(shape, dtype=self.dtype, device=self.device)
+
     def take(self, key: Hashable, tag: Any) -> tuple[torch.Tensor, list[Event]]:
         """The tensor under key (which must be `tag`) and the events compute must wait for."""
         if self.all_gpu:
@@ -128,6 +138,8 @@ class RowStore:
         RowStore.prefetch(self, key, tag)  # the keyed form, not a subclass's
         got, out, evs = self._loaded.pop(key)
         assert got == tag
+        if self.lanes.compute.stream is not None:  # its memory goes back to the load stream's pool
+            out.record_stream(self.lanes.compute.stream)  # only once compute is done with it
         return out, evs
 
     def clear(self) -> None:

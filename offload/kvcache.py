@@ -155,10 +155,11 @@ class KVStore:
         return t0 * rows * rec, (t1 - t0) * rows * rec
 
     # ---- prefill -------------------------------------------------------
-    def store_prompt(self, li: int, kb: int, n: int, k: torch.Tensor, v: torch.Tensor, ev: Event) -> None:
-        """Store the prompt's keys and values (n, kv_heads, s, d) into every tier's rows.
-
-        `ev` marks the compute that produced k and v."""
+    def store_prompt(self, li: int, kb: int, n: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the prompt's keys and values (n, kv_heads, s, d), made on the compute stream,
+        into every tier's rows. A copy away from the GPU waits for an event marked after the
+        records it copies are encoded (not merely after k and v exist: the encode is compute too,
+        and a copy that starts before it ends reads unwritten memory)."""
         for tier, r0, r1 in self.segments(n):
             seg, rows = self.homes[li][kb][tier], r1 - r0
             if tier == "gpu":
@@ -168,7 +169,7 @@ class KVStore:
                 enc = torch.stack((k[r0:r1], v[r0:r1])).contiguous()  # (2, rows, kv_heads, s, d)
             else:
                 enc = self.codec.encode(k[r0:r1], v[r0:r1])  # (s, rows, rec), transient
-            deps = [ev] + seg.track.claim()
+            deps = [self.lanes.compute.mark()] + seg.track.claim()
             src = span_of(enc)
             cp = self.mover.copy(Span(seg.buf, 0, src.nbytes), src, deps, lane="store", transient=True)
             seg.track.wrote(cp)
