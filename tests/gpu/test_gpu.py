@@ -91,6 +91,47 @@ def test_compression_on_gpu_is_deterministic_under_placements(tiny):
             assert a == b and all(len(t) == 8 for t in a), p.describe()
 
 
+def _finite_runs(llm: LLM, prompts, policies):
+    """Per policy: each prompt's tokens and the log-probabilities of its chosen tokens."""
+    out = []
+    for p in policies:
+        llm.policy_arg = p
+        got = llm.generate(prompts).completions
+        out.append(([c.token_ids for c in got], torch.tensor([c.logprobs.chosen for c in got])))
+        llm.drop_engine()
+    return out
+
+
+def test_overlap_gives_the_tokens_of_no_overlap_when_offloaded_and_compressed(tmp_path):
+    """Copies that overlap compute are ordered against it: OPT-30B-sized layers (the races need
+    real kernel times), cache compressed in CPU memory with CPU attention, and weights, cache and
+    activations mostly in CPU memory with GPU attention, give with overlap on exactly the tokens
+    and log-probabilities they give with it off, all finite. (Two races once gave NaN here: a
+    prompt's KV records copied off the GPU before their encoding ended, and activations loaded
+    into memory that compute kernels still queued were using.)"""
+    import json
+
+    from flexoff.dummy import dummy_config
+
+    cfg = dict(dummy_config("opt-30b"), num_hidden_layers=4)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_ids": torch.randint(3, cfg["vocab_size"], (560 + 8 * (i % 7),), generator=g).tolist(),
+                "logprobs": 0, "max_new_tokens": 4} for i in range(64)]
+    cpu_attention = Policy(gpu_batch_size=32, num_gpu_batches=2, w_gpu_percent=0, w_cpu_percent=100,
+                           cache_gpu_percent=0, cache_cpu_percent=100, cpu_cache_compute=True, compress_cache=True)
+    streamed = Policy(gpu_batch_size=16, num_gpu_batches=4, w_gpu_percent=0, w_cpu_percent=100,
+                      cache_gpu_percent=12.5, cache_cpu_percent=87.5, act_gpu_percent=0, act_cpu_percent=100,
+                      compress_weight=True, compress_cache=True)
+    with LLM(f"dummy:{tmp_path / 'config.json'}", device="cuda", dtype="float16") as llm:
+        llm.model.tokenizer.eos_ids = ()
+        for p in (cpu_attention, streamed):
+            (t_on, lp_on), (t_off, lp_off) = _finite_runs(llm, prompts, [p, p.replace(overlap=False)])
+            assert torch.isfinite(lp_on).all() and torch.isfinite(lp_off).all(), p.describe()
+            assert t_on == t_off, p.describe()
+            assert (lp_on - lp_off).abs().max() < 1e-3, p.describe()
+
+
 def test_budget_is_enforced_on_the_gpu(tiny):
     from flexoff.errors import MemoryBudgetError
 
