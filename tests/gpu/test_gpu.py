@@ -91,7 +91,7 @@ def test_compression_on_gpu_is_deterministic_under_placements(tiny):
             assert a == b and all(len(t) == 8 for t in a), p.describe()
 
 
-def _finite_runs(llm: LLM, prompts, policies):
+def _tokens_and_logprobs(llm: LLM, prompts, policies):
     """Per policy: each prompt's tokens and the log-probabilities of its chosen tokens."""
     out = []
     for p in policies:
@@ -105,8 +105,8 @@ def _finite_runs(llm: LLM, prompts, policies):
 def test_overlap_gives_the_tokens_of_no_overlap_when_offloaded_and_compressed(tmp_path):
     """Copies that overlap compute are ordered against it: OPT-30B-sized layers (the races need
     real kernel times), cache compressed in CPU memory with CPU attention, and weights, cache and
-    activations mostly in CPU memory with GPU attention, give with overlap on exactly the tokens
-    and log-probabilities they give with it off, all finite. (Two races once gave NaN here: a
+    activations mostly in CPU memory with GPU attention, give with overlap on the tokens they
+    give with it off, and log-probabilities within float16 kernel differences, all finite. (Two races once gave NaN here: a
     prompt's KV records copied off the GPU before their encoding ended, and activations loaded
     into memory that compute kernels still queued were using.)"""
     import json
@@ -126,7 +126,7 @@ def test_overlap_gives_the_tokens_of_no_overlap_when_offloaded_and_compressed(tm
     with LLM(f"dummy:{tmp_path / 'config.json'}", device="cuda", dtype="float16") as llm:
         llm.model.tokenizer.eos_ids = ()
         for p in (cpu_attention, streamed):
-            (t_on, lp_on), (t_off, lp_off) = _finite_runs(llm, prompts, [p, p.replace(overlap=False)])
+            (t_on, lp_on), (t_off, lp_off) = _tokens_and_logprobs(llm, prompts, [p, p.replace(overlap=False)])
             assert torch.isfinite(lp_on).all() and torch.isfinite(lp_off).all(), p.describe()
             assert t_on == t_off, p.describe()
             assert (lp_on - lp_off).abs().max() < 2e-2, p.describe()  # float16 kernels may differ
