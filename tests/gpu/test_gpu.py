@@ -105,10 +105,10 @@ def _tokens_and_logprobs(llm: LLM, prompts, policies):
 def test_overlap_gives_the_tokens_of_no_overlap_when_offloaded_and_compressed(tmp_path):
     """Copies that overlap compute are ordered against it: OPT-30B-sized layers (the races need
     real kernel times), cache compressed in CPU memory with CPU attention, and weights, cache and
-    activations mostly in CPU memory with GPU attention, give with overlap on the tokens they
-    give with it off, and log-probabilities within float16 kernel differences, all finite. (Two races once gave NaN here: a
-    prompt's KV records copied off the GPU before their encoding ended, and activations loaded
-    into memory that compute kernels still queued were using.)"""
+    activations mostly in CPU memory with GPU attention, give with overlap on the tokens they give
+    with it off, and log-probabilities within float16 kernel differences, all finite. (Two races
+    once gave NaN here: a prompt's KV records copied off the GPU before their encoding ended, and
+    activations loaded into memory that compute kernels still queued were using.)"""
     import json
 
     from flexoff.dummy import dummy_config
