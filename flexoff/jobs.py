@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Callable
@@ -189,6 +190,17 @@ def run_job(llm: Any, input_path: str, output_path: str, defaults: Any, chat: bo
     if sharded and world.rank == 0:
         _merge(output_path)
     return result
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace a file's text all at once: a temporary file beside it, fsync, rename (a kill
+    leaves the old text or the new one, never part of either)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def merge_shards(output: str, done: set[str]) -> int:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
@@ -93,7 +92,8 @@ def flexoff_request(key: str, r: Request) -> dict[str, Any]:
 
 
 def request_result(r: Request, comps: list[Any], tok: Any, seconds: float, batch: int) -> RequestResult:
-    """HELM's result for a request from its flexoff completions (one per sample)."""
+    """HELM's result for a request from its flexoff completions (one per sample); `seconds`: the
+    time of the block of `batch` requests that ran it."""
     outs = []
     for c in comps:
         chosen = c.logprobs.chosen if c.logprobs is not None else [0.0] * len(c.token_ids)
@@ -157,11 +157,9 @@ class FlexoffExecutor:
         reqs = llm.make_requests([{**flexoff_request(k, r), **extra} for k, r in todo.items()], SamplingParams())
         appended_records(str(self.folder / EFFICIENCY), EFFICIENCY_RECORD, "")  # a crash's cut line goes first
         journal, blocks = ResultWriter(str(self.folder / JOURNAL)), ResultWriter(str(self.folder / EFFICIENCY))
-        t0 = [time.perf_counter()]
 
         def on_block(comps: list[Any], st: Any) -> None:
-            seconds = time.perf_counter() - t0[0]
-            t0[0] = time.perf_counter()
+            seconds = st.prefill_s + st.decode_s  # the block's own time, not loading the model
             by: dict[str, list[Any]] = {}
             for c in comps:
                 by.setdefault(c.id, []).append(c)

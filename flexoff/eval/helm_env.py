@@ -10,9 +10,7 @@ Does not know: running requests (executor.py) or runs (runner.py).
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -20,6 +18,7 @@ from typing import Any
 import yaml
 
 from flexoff.errors import InputError
+from flexoff.jobs import write_text_atomic
 
 INSTALL = "flexoff eval needs crfm-helm: pip install -e '.[eval]' (see the README, section Evaluation)"
 ORG = "flexoff"
@@ -115,17 +114,8 @@ def register(model: str, llm: Any, local_path: str) -> str:
             raise InputError(f"{path}: expected a mapping with a '{key}' list")
         kept = [e for e in data.get(key) or [] if not (isinstance(e, dict) and e.get("name") == name)]
         data[key] = kept + [entry]
-        _write_atomic(path, yaml.safe_dump(data, sort_keys=False))
+        write_text_atomic(path, yaml.safe_dump(data, sort_keys=False))
     _builtins()
     register_configs_from_directory(str(folder))
     TOKENIZERS[name] = llm.tokenizer
     return name
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)

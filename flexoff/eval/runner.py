@@ -16,12 +16,12 @@ import contextlib
 import io
 import json
 import logging
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
 from flexoff.errors import InputError
+from flexoff.jobs import write_text_atomic
 from flexoff.lock import OutputLock
 
 # the closing table: instances, the first few of these a run has, throughput
@@ -180,9 +180,7 @@ def add_stats(path: Path, values: dict[str, float]) -> None:
     stats = json.loads(path.read_text())
     stats = [s for s in stats if s["name"]["name"] not in values]
     stats += [asdict_without_nones(Stat(MetricName(k)).add(v)) for k, v in values.items()]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(stats, indent=2))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(stats, indent=2))
 
 
 def closing_row(folder: Path) -> dict[str, float]:
