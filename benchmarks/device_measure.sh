@@ -31,6 +31,11 @@
 #                                                   # finetuning llama-7b against PEFT training
 #   PHASE=E bash benchmarks/device_measure.sh OUT   # GPU tests; CPU-attention shapes; timelines of a
 #                                                   # CPU-attention and the compressed policy
+#   PHASE=U bash benchmarks/device_measure.sh OUT   # GPU tests; finetuning resident llama-7b (auto) against
+#                                                   # PEFT, with a profile; loss curves, 16- and 4-bit base
+#   PHASE=W bash benchmarks/device_measure.sh OUT   # finetuning OPT-30B, 16 GiB GPU, auto: 16-bit base
+#                                                   # against PEFT + Accelerate (same cap), one run
+#   PHASE=X bash benchmarks/device_measure.sh OUT   # finetuning OPT-30B, 16 GiB GPU, auto, 4-bit base
 #   PHASE=P bash benchmarks/device_measure.sh OUT   # (2 GPUs) pipeline stages: OPT-1.3B on 1 and 2 GPUs
 #                                                   # (NCCL, same tokens); OPT-66B 512+32, 16 GiB per GPU,
 #                                                   # --policy auto, on 2 GPUs then 1, in one run
@@ -172,6 +177,21 @@ PY
          --gpu-mem 16GiB --cpu-mem 100GiB --policy "$p" --out "$OUT" 2>&1 | grep -v "^\s*$" | tail -16
        rm -f "$OUT/trace.json.gz"
      done ;;
+  U) echo "=== gpu tests ($(date +%T))"
+     timeout 200 python3 -m pytest -q -m gpu tests/gpu -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
+     echo "=== finetune llama-7b resident, auto, against PEFT ($(date +%T))"
+     timeout ${TRAIN_S:-150} python3 benchmarks/finetune.py --policy auto --hardware $HW --profile "$OUT/finetune-profile.txt" \
+       --out "$OUT/finetune.jsonl" 2>&1 | grep -v "^\s*$" | tail -6
+     echo "=== loss curves, smollm2, 16- and 4-bit base ($(date +%T))"
+     timeout ${CURVE_S:-120} python3 benchmarks/finetune_curve.py --out "$OUT/finetune-curve.jsonl" 2>&1 | tail -34 ;;
+  W) echo "=== finetune opt-30b, 16 GiB GPU, auto, against PEFT + Accelerate ($(date +%T))"
+     timeout ${TRAIN_S:-560} python3 benchmarks/finetune.py --model dummy:opt-30b --policy auto --hardware $HW \
+       --gpu-mem 16GiB --cpu-mem 100GiB --peft-gpu-mem 16GiB --steps ${STEPS:-3} --warmup 1 \
+       --out "$OUT/finetune-opt30b.jsonl" 2>&1 | grep -v "^\s*$" | tail -8 ;;
+  X) echo "=== finetune opt-30b, 16 GiB GPU, auto, 4-bit base ($(date +%T))"
+     timeout ${TRAIN_S:-400} python3 benchmarks/finetune.py --model dummy:opt-30b --policy auto --hardware $HW \
+       --gpu-mem 16GiB --cpu-mem 100GiB --compress-weight --systems flexoff --steps ${STEPS:-3} --warmup 1 \
+       --out "$OUT/finetune-opt30b-4bit.jsonl" 2>&1 | grep -v "^\s*$" | tail -6 ;;
   P) # the H200 profile with this host's memory (the profile was measured on a one-GPU host)
      python3 -c "import json; d = json.load(open('$HW')); \
        d['cpu_mem'] = 0.95 * 1024 * int(open('/proc/meminfo').readline().split()[1]); \

@@ -8,7 +8,8 @@ layer's input, a reverse sweep of vector-Jacobian products through the frozen ba
 policy (default: everything on the GPU); PEFT steps through `loss.backward()` on the same
 model weights placed on the GPU (`--peft-gpu-mem` caps the GPU as Accelerate's device_map
 does, for models that do not fit). Training tokens per second over `steps` timed steps after
-`warmup` steps; the loss of every step is written beside them.
+`warmup` steps; the loss of every step is written beside them, and flexoff's step beside the
+cost model's prediction for the policy it ran (`--policy auto`: the one the search picked).
 """
 
 from __future__ import annotations
@@ -45,30 +46,78 @@ def timed_steps(args: argparse.Namespace, vocab: int, step: Any) -> tuple[list[f
     return losses, time.perf_counter() - t0
 
 
+def predict_training(spec: Any, hw: Any, p: Any, seq: int, batch: int, rank: float) -> Any:
+    """The cost model's prediction of a training step for a policy as the engine places it
+    (whole rows of the stash and hidden states; graphs kept where weights and stash are all on
+    the GPU), with throughput over a micro-batch of `batch` sequences."""
+    from flexoff.offload.placement import row_split
+    from flexoff.policy.train_cost import TrainChoice, TrainCostModel
+
+    def rows(g: float, c: float, v: str) -> dict[str, float]:
+        r = row_split(p.gpu_batch_size, g, c)
+        return {f"{v}{t[0]}": r[t] / p.gpu_batch_size for t in ("gpu", "cpu", "disk")}
+
+    frac = {"wg": p.w_gpu_percent / 100, "wc": p.w_cpu_percent / 100, "wd": p.w_disk_percent / 100,
+            **rows(p.cache_gpu_percent, p.cache_cpu_percent, "c"), **rows(p.act_gpu_percent, p.act_cpu_percent, "h"),
+            **rows(p.stash_gpu_percent, p.stash_cpu_percent, "s")}
+    keep = frac["wg"] >= 1 and frac["sg"] >= 1
+    choice = TrainChoice(p.gpu_batch_size, p.num_gpu_batches, p.compress_weight, keep, overlap=p.overlap,
+                         quant_bits=p.quant_bits, quant_group=p.quant_group)
+    pred = TrainCostModel(spec, hw, seq, choice, rank).evaluate(frac)
+    blocks = -(-batch // p.block_size)
+    pred.throughput = batch * seq / (blocks * pred.latency)
+    return pred
+
+
 def flexoff_run(args: argparse.Namespace) -> dict[str, Any]:
-    from flexoff import LLM, Policy
+    from flexoff import LLM, Policy, profiler
     from flexoff.finetune.data import Example
     from flexoff.finetune.run import LoraSpec, new_adapter
     from flexoff.finetune.trainer import LoraTrainer, TrainConfig
     from throughput import parse_policy
 
     policy = parse_policy(args.policy) if args.policy else Policy(gpu_batch_size=args.batch)
-    if args.compress_weight:
+    if args.compress_weight and policy != "auto":
         policy = replace(policy, compress_weight=True)
     with LLM(args.model, policy=policy, device="cuda", dtype=torch.float16, gpu_mem=args.gpu_mem,
-             cpu_mem=args.cpu_mem) as llm:
+             cpu_mem=args.cpu_mem, hardware=args.hardware,
+             compression=("on" if args.compress_weight else "off", "off")) as llm:
         spec = llm.model.spec
         folder = Path(args.work) / "fresh"
         targets = sorted({t.hf_names[0].rsplit(".", 2)[-2] for l in spec.layers if l.kind in ("attn", "mlp")
                           for t in l.tensors if t.matmul})
         new_adapter(spec, LoraSpec(args.rank, 2 * args.rank, targets), folder, 0)
         llm.load_lora("train", str(folder))
-        trainer = LoraTrainer(llm, "train", TrainConfig(lr=1e-4, batch_size=args.batch))
-        losses, sec = timed_steps(args, spec.vocab_size, lambda ids: trainer.step(
-            [Example(row.tolist(), [False] + [True] * (args.seq - 1)) for row in ids]))
-        return {"system": "flexoff", "policy": llm.choose_policy_for_training(args.batch).describe(),
-                "step_s": sec / args.steps, "train_tokens_per_s": args.steps * args.batch * args.seq / sec,
+        trainer = LoraTrainer(llm, "train", TrainConfig(lr=1e-4, batch_size=args.batch), args.seq)
+        def step(ids: torch.Tensor) -> float:
+            return trainer.step([Example(row.tolist(), [False] + [True] * (args.seq - 1)) for row in ids])
+
+        losses, sec = timed_steps(args, spec.vocab_size, step)
+        if args.profile:
+            profile(args, step, batches(spec.vocab_size, args.batch, args.seq, 1, args.seed + 1)[0])
+        used = llm.last_policy
+        hw = profiler.load(args.hardware, None)
+        pred = predict_training(spec, hw, used, args.seq, args.batch, llm.adapter_rank("train"))
+        step_s = sec / args.steps
+        return {"system": "flexoff", "policy": used.describe(), "auto": policy == "auto",
+                "step_s": step_s, "train_tokens_per_s": args.steps * args.batch * args.seq / sec,
+                "predicted_step_s": pred.latency * -(-args.batch // used.block_size),
+                "predicted_forward_s": pred.prefill_s, "predicted_reverse_s": pred.decode_s,
+                "predicted_bottleneck": pred.bottleneck, "hardware": hw.name,
+                "step/predicted": step_s / (pred.latency * -(-args.batch // used.block_size)),
                 "losses": losses, "peak_gpu_bytes": torch.cuda.max_memory_allocated()}
+
+
+def profile(args: argparse.Namespace, step: Any, ids: torch.Tensor) -> None:
+    """One more step under torch.profiler: the operators by device time and by host time."""
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+        step(ids)
+        torch.cuda.synchronize()
+    ka = p.key_averages()
+    text = "\n\n".join(ka.table(sort_by=key, row_limit=30) for key in ("self_cuda_time_total", "self_cpu_time_total"))
+    Path(args.profile).write_text(text)
 
 
 def peft_run(args: argparse.Namespace) -> dict[str, Any]:
@@ -108,11 +157,15 @@ def peft_run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="dummy:llama-7b")
-    ap.add_argument("--policy", default=None, help="flexoff's policy string (default: everything on the GPU)")
+    ap.add_argument("--policy", default=None,
+                    help="flexoff's policy string, or auto (default: everything on the GPU)")
+    ap.add_argument("--hardware", default="benchmarks/data/h200-measured.json",
+                    help="hardware profile of the cost model (auto's search and the prediction)")
     ap.add_argument("--gpu-mem", default=None)
     ap.add_argument("--cpu-mem", default=None)
     ap.add_argument("--peft-gpu-mem", default=None, help="GPU budget for PEFT's Accelerate placement")
     ap.add_argument("--compress-weight", action="store_true", help="flexoff: 4-bit base weights")
+    ap.add_argument("--profile", default=None, help="write a torch.profiler table of one more flexoff step here")
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=512)
@@ -141,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         r.update(model=args.model, rank=args.rank, batch=args.batch, seq=args.seq, steps=args.steps,
                  compress_weight=args.compress_weight and r["system"] == "flexoff", **env)
         r["vs_peft"] = r["train_tokens_per_s"] / peft["train_tokens_per_s"] if peft else None
-    print(table(rows, ["system", "policy", "step_s", "train_tokens_per_s", "vs_peft"]))
+    print(table(rows, ["system", "policy", "step_s", "predicted_step_s", "train_tokens_per_s", "vs_peft"]))
     write_jsonl(args.out, rows)
     return 0
 

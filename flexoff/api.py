@@ -172,6 +172,9 @@ class LLM:
         self.gpu_margin = 0  # GPU bytes --policy auto leaves unplanned, raised after running out
         self.compression = compression  # what --policy auto may use: off / on / auto, weights and cache
         self.engine: Engine | None = None
+        # --policy auto for training: micro-batch -> (longest window planned, policy, prediction)
+        self._training_plans: dict[int, tuple[int, Policy, Any]] = {}
+        self.training_prediction: Any = None  # the cost model's Prediction of the last auto training step
         # the tiers and weights, which outlive engines
         link = world.link if world is not None else None
         if link is not None and link.stages > self.model.spec.num_layers:
@@ -222,9 +225,14 @@ class LLM:
     def lora_ranks(self) -> tuple[float, ...]:
         """Each adapter the job uses (every loaded one, outside a job) as the cost model sees it:
         the rank that on every linear layer would hold as many values."""
-        per_rank = sum(self.model.spec.lora_width(j) for j in range(len(self.model.spec.layers)))
         used = {r.adapter for r in self._job} - {None} if self._job else set(self.adapters)
-        return tuple(a.numel / per_rank for n, a in self.adapters.items() if n in used)
+        return tuple(self.adapter_rank(n) for n in self.adapters if n in used)
+
+    def adapter_rank(self, name: str) -> float:
+        """A loaded adapter as the cost model sees it: the rank that on every linear layer would
+        hold as many values."""
+        per_rank = sum(self.model.spec.lora_width(j) for j in range(len(self.model.spec.layers)))
+        return self.adapters[name].numel / per_rank
 
     def adapter_pool(self) -> AdapterPool | None:
         """The loaded adapters (made again when the set changes)."""
@@ -307,13 +315,22 @@ class LLM:
             return auto_policy(self, prompt, gen, len(requests))
         return Policy.load(p)
 
-    def choose_policy_for_training(self, n: int) -> Policy:
-        """The policy training steps run under: the one given, or everything on the compute device."""
+    def choose_policy_for_training(self, n: int, seq_len: int, lora_rank: float = 16) -> Policy:
+        """The policy training steps of n sequences of up to seq_len tokens run under: the one
+        given, everything on the compute device, or (auto) the searched one, planned once for the
+        longest window asked for so far (shorter steps run on the same engine)."""
         p = self.policy_arg
         if isinstance(p, Policy):
             return p
         if p == "auto":
-            raise InputError("--policy auto does not plan finetuning yet; give a policy (--percent and batch flags)")
+            planned = self._training_plans.get(n)
+            if planned is None or planned[0] < seq_len:
+                from flexoff.autopolicy import auto_training_policy
+
+                cand = auto_training_policy(self, seq_len, n, lora_rank)
+                self._training_plans[n] = planned = (seq_len, cand.policy, cand.prediction)
+            self.training_prediction = planned[2]
+            return planned[1]
         return Policy.load(p) if p else Policy(gpu_batch_size=max(1, min(DEFAULT_BATCH, n)))
 
     def engine_for(self, policy: Policy, max_prompt: int, max_gen: int, training: bool = False,
@@ -383,10 +400,12 @@ class LLM:
                  on_block: Callable[[list[Completion], RunStats], None] | None = None,
                  on_logits: Callable[[int, list[str], torch.Tensor], None] | None = None,
                  requests: list[Request] | None = None,
-                 adapters: Sequence[str | None] | None = None) -> GenerationOutput:
+                 adapters: Sequence[str | None] | None = None, policy: Policy | None = None) -> GenerationOutput:
         """Complete every prompt; completions come back in input order (a request's samples
         together). `sampling_params` (vLLM's form: one for all prompts, or one per prompt) takes
-        the place of the keyword settings; a prompt's own settings (a dict's keys) win over both."""
+        the place of the keyword settings; a prompt's own settings (a dict's keys) win over both.
+        `policy`: run under this one instead of the LLM's (finetuning's evaluation runs on the
+        training engine)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if adapters is not None:  # one adapter name (or None) per prompt
@@ -414,7 +433,7 @@ class LLM:
         if not reqs:
             return GenerationOutput([], stats)
         self._job = reqs
-        policy = self.last_policy = self.choose_policy(reqs)
+        policy = self.last_policy = policy or self.choose_policy(reqs)
         done: dict[str, Completion] = {}
         bar = tqdm(total=len(reqs), desc="generating", unit="prompt", disable=not self.progress)
         try:

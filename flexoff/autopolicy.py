@@ -2,7 +2,8 @@
 
 Knows: where the hardware profile comes from (a preset, a file, or this
 machine's cached profile, measured once), the job's workload (longest prompt,
-longest generation, number of prompts), the user's budgets, and that the
+longest generation, number of prompts) or a training step's (micro-batch,
+longest sequence, LoRA rank), the user's budgets, and that the
 search's winner must also pass the engine's own memory accounting; the first
 candidate that does is used.
 Does not know: the cost model's terms (policy/) or the schedule (offload/).
@@ -10,7 +11,7 @@ Does not know: the cost model's terms (policy/) or the schedule (offload/).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import click
 
@@ -22,10 +23,10 @@ from flexoff.offload.memory import MemoryPlan, check, plan_memory
 from flexoff.offload.placement import TIERS
 from flexoff.policy.cost_model import Workload
 from flexoff.policy.policy import Policy
-from flexoff.policy.search import Budget, default_shapes, search
+from flexoff.policy.search import Budget, Candidate, default_shapes, search, search_training
 
 
-def engine_plan(llm: Any, policy: Policy, prompt_len: int, gen_len: int) -> MemoryPlan:
+def engine_plan(llm: Any, policy: Policy, prompt_len: int, gen_len: int, training: bool = False) -> MemoryPlan:
     """What the engine would allocate for this policy."""
     from flexoff.quant.engine import formats
 
@@ -33,42 +34,69 @@ def engine_plan(llm: Any, policy: Policy, prompt_len: int, gen_len: int) -> Memo
     fmt, codec = formats(policy, spec, llm.dtype)
     layouts = [Layout(fmt.fields(l)) for l in spec.layers]
     return plan_memory(spec, layouts, codec.rec_bytes, policy, prompt_len, gen_len, llm.dtype,
-                       llm.device.type == "cuda",
+                       llm.device.type == "cuda", training,
                        adapters=adapter_bytes(llm.adapter_need(policy.block_size), llm.adapter_host_bytes(),
                                               layouts, policy, llm.dtype))
 
 
-def auto_policy(llm: Any, prompt_len: int, gen_len: int, num_prompts: int | None, **search_args: Any) -> Policy:
-    """The best searched policy that the engine's own accounting accepts. Where the engine needs
-    more than the cost model counted (alignment, staging of whole tensors), the search is run
-    again with budgets lowered by the difference. In a pipeline the search plans the heaviest
-    stage, whose engine holds one of the policy's blocks per stage (LLM.stage_policy)."""
+def _budget(llm: Any) -> tuple[Any, Budget]:
+    """The hardware profile, and the memory the search may plan with: the user's budgets within
+    the machine's, less the margin left after running out of GPU memory."""
     hw = profiler.load(llm.hardware, llm.options.offload_dir, log=lambda s: click.echo(s, err=True))
     b = llm.options.budgets
     budget = Budget.of(hw, b.gpu, b.cpu, b.disk)
     share = llm.world.local_size if llm.world is not None else 1  # the host's processes share its memory, disk
-    budget = Budget(budget.gpu - llm.gpu_margin, min(budget.cpu, hw.cpu_mem / share),
-                    min(budget.disk, hw.disk_mem / share))
-    work = Workload(prompt_len, gen_len, llm.dtype.itemsize, num_prompts, llm.lora_ranks())
-    stages = llm.residency.pipe.stages if llm.residency.pipe is not None else 1
-    if stages > 1 and "shapes" not in search_args:  # a stage holds one block per stage: plan its shape
-        search_args["shapes"] = default_shapes(num_prompts, stages)
+    return hw, Budget(budget.gpu - llm.gpu_margin, min(budget.cpu, hw.cpu_mem / share),
+                      min(budget.disk, hw.disk_mem / share))
+
+
+def _first_that_fits(llm: Any, budget: Budget, searched: Callable[[Budget], list[Candidate]],
+                     plan: Callable[[Policy], MemoryPlan]) -> Candidate:
+    """The best searched candidate that the engine's own accounting accepts. Where the engine
+    needs more than the cost model counted (alignment, staging of whole tensors), the search is
+    run again with budgets lowered by the difference."""
     error: MemoryBudgetError | None = None
     for _ in range(4):
         excess = {t: 0.0 for t in TIERS}
-        args = {"compress_weight": llm.compression[0], "compress_cache": llm.compression[1], **search_args}
-        cands = search(llm.plan_spec, hw, work, budget, **args)
-        for cand in cands[:8]:
-            policy = cand.policy.replace(num_gpu_batches=cand.policy.num_gpu_batches // stages)
-            plan = engine_plan(llm, policy, prompt_len, gen_len)
+        for cand in searched(budget)[:8]:
+            need = plan(cand.policy)
             try:
-                check(plan, b, llm.device, llm.options.offload_dir)
-                return policy
+                check(need, llm.options.budgets, llm.device, llm.options.offload_dir)
+                return cand
             except MemoryBudgetError as e:
                 error = e
             for t in TIERS:
-                excess[t] = max(excess[t], plan.total(t) - cand.prediction.memory[t])
+                excess[t] = max(excess[t], need.total(t) - cand.prediction.memory[t])
         budget = Budget(*(getattr(budget, t) - max(0.0, excess[t]) for t in TIERS))
         if min(budget.gpu, budget.cpu, budget.disk) <= 0:
             break
     raise MemoryBudgetError(f"no searched policy passes the engine's memory check: {error}")
+
+
+def auto_policy(llm: Any, prompt_len: int, gen_len: int, num_prompts: int | None, **search_args: Any) -> Policy:
+    """The best searched policy that the engine's own accounting accepts. In a pipeline the search
+    plans the heaviest stage, whose engine holds one of the policy's blocks per stage
+    (LLM.stage_policy)."""
+    hw, budget = _budget(llm)
+    work = Workload(prompt_len, gen_len, llm.dtype.itemsize, num_prompts, llm.lora_ranks())
+    stages = llm.residency.pipe.stages if llm.residency.pipe is not None else 1
+    if stages > 1 and "shapes" not in search_args:  # a stage holds one block per stage: plan its shape
+        search_args["shapes"] = default_shapes(num_prompts, stages)
+    args = {"compress_weight": llm.compression[0], "compress_cache": llm.compression[1], **search_args}
+
+    def searched(b: Budget) -> list[Candidate]:
+        cands = search(llm.plan_spec, hw, work, b, **args)
+        for c in cands:  # a stage's share of the searched block
+            c.policy = c.policy.replace(num_gpu_batches=c.policy.num_gpu_batches // stages)
+        return cands
+
+    return _first_that_fits(llm, budget, searched, lambda p: engine_plan(llm, p, prompt_len, gen_len)).policy
+
+
+def auto_training_policy(llm: Any, seq_len: int, batch: int, lora_rank: float) -> Candidate:
+    """The best searched training policy (and its prediction) for micro-batches of `batch`
+    sequences of up to `seq_len` tokens that the engine's accounting accepts."""
+    hw, budget = _budget(llm)
+    searched = lambda b: search_training(llm.plan_spec, hw, seq_len, batch, b, lora_rank=lora_rank,  # noqa: E731
+                                         compress_weight=llm.compression[0], elem_bytes=llm.dtype.itemsize)
+    return _first_that_fits(llm, budget, searched, lambda p: engine_plan(llm, p, seq_len, 1, training=True))

@@ -267,11 +267,16 @@ def finetune(model: str | None, data_path: str, output: str, lora_r: int, lora_a
                       max_grad_norm=max_grad_norm if max_grad_norm > 0 else None, warmup=warmup, schedule=schedule)
     targets = tuple(t.strip() for t in lora_targets.split(",")) if lora_targets else DEFAULT_TARGETS
     with LLM(model, policy=policy, device=device, dtype=dtype, offload_dir=offload_dir, gpu_mem=gpu_mem,
-             cpu_mem=cpu_mem, disk_mem=disk_mem, progress=False) as llm:
+             cpu_mem=cpu_mem, disk_mem=disk_mem, progress=False, hardware=hardware,
+             compression=("on" if compress_weight else "off", "off")) as llm:
         losses = run_finetune(llm, data_path, output, lora=LoraSpec(lora_r, lora_alpha, targets),
                               init_adapter=init_adapter, steps=steps, epochs=epochs, cfg=cfg,
                               max_seq_len=max_seq_len, seed=seed, progress=not quiet, save_every=save_every,
                               eval_data=eval_data)
+    if llm.last_policy is not None:
+        pred = llm.training_prediction
+        planned = f" (planned: {pred.latency:.3g} s a block, {pred.throughput:.0f} training tok/s)" if pred else ""
+        click.echo(f"policy: {llm.last_policy.describe()}{planned}", err=True)
     click.echo(f"{len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}; adapter in {output}", err=True)
 
 

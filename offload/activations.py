@@ -22,6 +22,7 @@ from flexoff.offload.mover import Mover, Span, span_of
 from flexoff.offload.placement import TIERS, row_segments, row_split
 from flexoff.offload.tiers import Ledger
 from flexoff.policy.policy import Policy
+from flexoff.policy.train_cost import graph_token_elems
 
 
 def act_bytes(spec: ModelSpec, elem_bytes: int, policy: Policy, max_prompt: int) -> dict[str, int]:
@@ -48,10 +49,13 @@ def keeps_graphs(resident: bool, policy: Policy) -> bool:
 def graph_bytes(spec: ModelSpec, elem_bytes: int, policy: Policy, max_tokens: int) -> int:
     """What kept graphs hold on the compute device for a block's windows: per token and layer,
     attention's projections and scores (two per head and key) and the MLP's activations."""
-    h, f, heads = spec.hidden_size, spec.intermediate_size, spec.num_heads
-    per_token = sum(8 * h + 2 * heads * max_tokens if l.kind == "attn" else h + 5 * f
-                    for l in spec.layers if l.kind in ("attn", "mlp"))
-    return policy.block_size * max_tokens * per_token * elem_bytes
+    return policy.block_size * max_tokens * sum(graph_token_elems(spec, max_tokens)) * elem_bytes
+
+
+def backward_bytes(spec: ModelSpec, elem_bytes: int, policy: Policy, max_tokens: int) -> int:
+    """What the reverse sweep's step holds beyond the stash: the graph of the largest layer of
+    one GPU batch (recomputed from its input, or the gradients through a kept one)."""
+    return policy.gpu_batch_size * max_tokens * max(graph_token_elems(spec, max_tokens)) * elem_bytes
 
 
 @dataclass

@@ -20,7 +20,7 @@ import torch
 
 from flexoff.errors import MemoryBudgetError
 from flexoff.models.spec import ModelSpec
-from flexoff.offload.activations import act_bytes, graph_bytes, keeps_graphs, stash_bytes
+from flexoff.offload.activations import act_bytes, backward_bytes, graph_bytes, keeps_graphs, stash_bytes
 from flexoff.offload.kvcache import kv_bytes
 from flexoff.offload.layout import Layout
 from flexoff.offload.mover import CHUNK
@@ -67,6 +67,7 @@ def plan_memory(spec: ModelSpec, layouts: list[Layout], kv_rec_bytes: int, polic
             plan.add("kept graphs", {"gpu": graph_bytes(spec, elem, policy, max_prompt)})
         else:
             plan.add("stash", stash_bytes(spec, elem, policy, max_prompt))
+        plan.add("backward working", {"gpu": backward_bytes(spec, elem, policy, max_prompt)})
     if adapters and any(adapters.values()):
         plan.add("adapters", adapters)
     pinned = 4 * CHUNK if (cuda and plan.total("disk") > 0) else 0  # disk bounce buffers

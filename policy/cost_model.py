@@ -97,6 +97,8 @@ class Prediction:
 
 
 class CostModel:
+    vars = VARS  # the LP's placement fractions
+
     def __init__(self, spec: ModelSpec, hw: Hardware, work: Workload, choice: Choice):
         self.spec, self.hw, self.work, self.ch = spec, hw, work, choice
         eb = work.elem_bytes
@@ -121,6 +123,19 @@ class CostModel:
         self.lora_layer = {k: used * mean * width[k] * eb for k in KINDS}  # bytes per layer
         self.lora_bytes = used * mean * sum(spec.lora_width(j) for j in range(len(spec.layers))) * eb
         self.lora_F = {k: 2 * mean * width[k] for k in KINDS}
+
+    # ---- the LP's view ---------------------------------------------------
+    def sweep_count(self, stage: str) -> int:
+        """How often a block runs each layer in this stage: once in the prefill, n - 1 decode steps."""
+        return 1 if stage == "p" else self.work.gen_len - 1
+
+    def bounds(self) -> dict[str, tuple[float, float]]:
+        """Placement fractions the discrete choice bounds, (low, high) (none for inference)."""
+        return {}
+
+    def preference(self, x: Mapping[str, Any]) -> Any:
+        """A negligible cost added to the LP's objective to pick among equal placements (none)."""
+        return 0
 
     # ---- time ----------------------------------------------------------
     def terms(self, x: Mapping[str, Any]) -> dict[tuple[str, str], dict[str, Any]]:

@@ -95,6 +95,8 @@ class Policy:
         flags = [n for n in ("compress_weight", "compress_cache", "cpu_cache_compute") if getattr(self, n)]
         if not self.overlap:
             flags.append("no-overlap")
+        if (self.stash_gpu_percent, self.stash_cpu_percent) != (100.0, 0.0):
+            flags.append(f"stash {self.stash_gpu_percent:g}, {self.stash_cpu_percent:g}")
         return f"{self.gpu_batch_size}x{self.num_gpu_batches} ({p})" + (f" [{', '.join(flags)}]" if flags else "")
 
     # ---- JSON ----------------------------------------------------------

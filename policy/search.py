@@ -23,9 +23,10 @@ import pulp
 
 from flexoff.errors import MemoryBudgetError
 from flexoff.models.spec import ModelSpec
-from flexoff.policy.cost_model import VARS, Choice, CostModel, Prediction, Workload
+from flexoff.policy.cost_model import Choice, CostModel, Prediction, Workload
 from flexoff.policy.hardware import Hardware
 from flexoff.policy.policy import Policy
+from flexoff.policy.train_cost import TrainChoice, TrainCostModel
 
 GPU_BATCH_SIZES = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 80, 96, 128, 160, 192, 256)
 NUM_GPU_BATCHES = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32)
@@ -67,32 +68,37 @@ def solve_lp(model: CostModel, budget: Budget, max_latency: float | None = None,
     least_traffic: among placements with T within max_latency, the one that moves the
     fewest bytes (used to break ties of the first solve deterministically)."""
     prob = pulp.LpProblem("flexoff_policy", pulp.LpMinimize)
-    x = {v: _var(prob, v, 1) for v in VARS}
-    for a, b, c in (("wg", "wc", "wd"), ("cg", "cc", "cd"), ("hg", "hc", "hd")):
-        prob += x[a] + x[b] + x[c] == 1
-    n = model.work.gen_len
+    x = {v: _var(prob, v, 1) for v in model.vars}
+    for tier_vars in zip(model.vars[0::3], model.vars[1::3], model.vars[2::3]):  # (g, c, d) of each kind
+        prob += pulp.lpSum(x[v] for v in tier_vars) == 1
+    for v, (lo, hi) in model.bounds().items():
+        prob += x[v] >= lo, f"low_{v}"
+        prob += x[v] <= hi, f"high_{v}"
+    # times in units of the block's latency with everything on the GPU, so that the solver's
+    # tolerances mean the same for a tiny model as for a large one
+    unit = max(model.evaluate({v: float(v.endswith("g")) for v in model.vars}).latency, 1e-12)
     latency, traffic = 0, 0
     for (stage, kind), terms in model.terms(x).items():
         t = _var(prob, f"T_{stage}_{kind}", None)
         if model.ch.overlap:
             for name, expr in terms.items():
-                prob += t >= expr, f"{stage}_{kind}_{name}"
+                prob += t >= expr * (1 / unit), f"{stage}_{kind}_{name}"
         else:
-            prob += t >= pulp.lpSum(terms.values()), f"{stage}_{kind}_serial"
-        steps = model.count[kind] * (1 if stage == "p" else n - 1)
+            prob += t >= pulp.lpSum(terms.values()) * (1 / unit), f"{stage}_{kind}_serial"
+        steps = model.count[kind] * model.sweep_count(stage)
         latency += steps * t
-        traffic += steps * pulp.lpSum(terms[k] for k in TRANSFERS)
-    prob += traffic if least_traffic else latency
+        traffic += steps * pulp.lpSum(terms[k] for k in TRANSFERS) * (1 / unit)
+    prob += (traffic if least_traffic else latency) + model.preference(x)
     for tier, expr in model.memory(x).items():
         prob += expr <= getattr(budget, tier), f"mem_{tier}"
     if max_latency is not None:
-        prob += latency <= max_latency
+        prob += latency <= max_latency / unit
     with warnings.catch_warnings():  # PuLP 3.x announces 4.0's API changes; its bundled CBC is what we use
         warnings.simplefilter("ignore", DeprecationWarning)
         prob.solve(pulp.PULP_CBC_CMD(msg=False))
     if pulp.LpStatus[prob.status] != "Optimal":
         return None
-    return {v: min(1.0, max(0.0, x[v].value() or 0.0)) for v in VARS}, float(pulp.value(latency))
+    return {v: min(1.0, max(0.0, x[v].value() or 0.0)) for v in model.vars}, float(pulp.value(latency)) * unit
 
 
 def _var(prob: pulp.LpProblem, name: str, upper: float | None) -> pulp.LpVariable:
@@ -102,7 +108,8 @@ def _var(prob: pulp.LpProblem, name: str, upper: float | None) -> pulp.LpVariabl
 
 
 def round_policy(x: dict[str, float], ch: Choice) -> tuple[Policy, dict[str, float]]:
-    """A runnable Policy near the LP solution (GPU shares rounded down), and its fractions."""
+    """A runnable Policy near the LP solution (GPU shares rounded down), and its fractions; a
+    training LP's stash fractions (sg, sc, sd) too."""
     gbs, eps = ch.gpu_batch_size, 1e-6
     wg = math.floor(x["wg"] * 1000 + eps) / 1000
     wgc = 1.0 if x["wd"] < 1e-4 else math.floor((x["wg"] + x["wc"]) * 1000 + eps) / 1000
@@ -116,9 +123,14 @@ def round_policy(x: dict[str, float], ch: Choice) -> tuple[Policy, dict[str, flo
     hg, hc = rows(x["hg"], x["hc"], x["hd"])
     frac = {"wg": wg, "wc": wgc - wg, "wd": 1 - wgc, "cg": cg, "cc": cc, "cd": 1 - cg - cc,
             "hg": hg, "hc": hc, "hd": 1 - hg - hc}
+    stash = {}
+    if "sg" in x:
+        sg, sc = rows(x["sg"], x["sc"], x["sd"])
+        frac.update(sg=sg, sc=sc, sd=1 - sg - sc)
+        stash = {"stash_gpu_percent": sg * 100, "stash_cpu_percent": sc * 100}
     p = Policy(gbs, ch.num_gpu_batches, round(wg * 100, 1), round((wgc - wg) * 100, 1),
                cg * 100, cc * 100, hg * 100, hc * 100, ch.compress_weight, ch.compress_cache,
-               ch.cpu_cache_compute and cc > 0, ch.overlap, ch.quant_bits, ch.quant_group)
+               ch.cpu_cache_compute and cc > 0, ch.overlap, ch.quant_bits, ch.quant_group, **stash)
     return p, frac
 
 
@@ -200,3 +212,42 @@ def _infeasible_message(spec: ModelSpec, hw: Hardware, work: Workload, budget: B
             f"of GPU memory and {need['disk'] / gib:.2f} GiB of disk (have {budget.gpu / gib:.2f} GiB GPU, "
             f"{budget.cpu / gib:.2f} GiB CPU, {budget.disk / gib:.2f} GiB disk); raise the budgets"
             + (" or allow compression" if compression == "off" else ""))
+
+
+def search_training(spec: ModelSpec, hw: Hardware, seq_len: int, batch: int, budget: Budget, *,
+                    lora_rank: float = 16, compress_weight: Toggle = "off", overlap: bool = True,
+                    shapes: Iterable[tuple[int, int]] | None = None, elem_bytes: int = 2) -> list[Candidate]:
+    """Training policies for micro-batches of `batch` sequences of up to `seq_len` tokens, best
+    first: each block shape (no more rows than the micro-batch), base weights 16- or 4-bit, the
+    forward's graphs kept or recomputed, with the LP's placement of weights, stash and hidden
+    states. Ranked by training tokens per second of a micro-batch, which runs in
+    ceil(batch / block size) blocks of two weight sweeps each. Raises MemoryBudgetError if none fits."""
+    if shapes is None:
+        shapes = [(g, b) for g, b in itertools.product(GPU_BATCH_SIZES, NUM_GPU_BATCHES) if g * b <= batch]
+        shapes += [(batch, 1)] if batch not in GPU_BATCH_SIZES else []
+    out, seen = [], set()
+    modes = ((True, "stash"), (False, "stash"), (False, "weights"))  # graphs kept; else what is apart
+    for (gbs, nb), cw, (keep, apart) in itertools.product(shapes, _choices(compress_weight), modes):
+        model = TrainCostModel(spec, hw, seq_len, TrainChoice(gbs, nb, cw, keep, apart, overlap), lora_rank,
+                               elem_bytes)
+        sol = solve_lp(model, budget)
+        cand = _candidate(model, sol[0], budget, None) if sol is not None else None
+        if cand is None or cand.policy in seen:
+            continue
+        seen.add(cand.policy)
+        blocks = -(-batch // model.ch.bls)
+        cand.prediction.throughput = batch * seq_len / (blocks * cand.prediction.latency)
+        out.append((cand, blocks))
+    if not out:
+        model = TrainCostModel(spec, hw, seq_len, TrainChoice(1, 1, compress_weight != "off"), lora_rank,
+                               elem_bytes)
+        need = model.memory({v: float(v[1] == "d" or v == "hg") for v in model.vars})
+        gib = 2**30
+        raise MemoryBudgetError(
+            f"no training policy fits: one sequence of {seq_len} tokens with everything on disk needs "
+            f"{need['gpu'] / gib:.2f} GiB of GPU memory (have {budget.gpu / gib:.2f} GiB); raise --gpu-mem, "
+            "lower --max-seq-len" + (" or allow --compress-weight" if compress_weight == "off" else ""))
+    best = max(c.prediction.throughput for c, _ in out)
+    # equal predictions (compute-bound shapes of the same tokens): fewer blocks, then larger GPU batches
+    out.sort(key=lambda cb: (-round(cb[0].prediction.throughput / best, 6), cb[1], cb[0].policy.num_gpu_batches))
+    return [c for c, _ in out]

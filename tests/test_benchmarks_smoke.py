@@ -52,3 +52,16 @@ def test_pipeline_smoke_runs_one_and_two_stages(tmp_path):
     assert [(r["gpus"], r["stage"]) for r in recs] == [(1, 0), (2, 0), (2, 1)]
     assert all(r["decode_s"] > 0 and r["rows"] > 0 for r in recs)
     assert recs[1]["sent_MB"] > 0 and recs[2]["same_tokens_as_1_gpu"] is True and recs[2]["vs_1_gpu"] > 0
+
+
+def test_finetune_curve_writes_both_bases(tmp_path):
+    """The 16-bit and 4-bit loss curves of benchmarks/finetune_curve.py on a dummy model."""
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "finetune_curve.py"), "--model", "dummy:llama-tiny",
+                           "--steps", "3", "--save-every", "3", "--batch", "2", "--targets", "q_proj,v_proj",
+                           "--out", str(tmp_path / "c.jsonl")], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    recs = [json.loads(l) for l in (tmp_path / "c.jsonl").read_text().splitlines()]
+    assert [r["base"] for r in recs] == ["16-bit", "4-bit"]
+    for r in recs:
+        assert len(r["losses"]) == 3 and list(r["eval"]) == ["3"] and r["eval"]["3"] > 0
+    assert recs[0]["losses"][0] != recs[1]["losses"][0]  # the bases differ

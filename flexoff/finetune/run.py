@@ -135,7 +135,7 @@ def _write_atomic(path: Path, state: dict[str, Any]) -> None:
 def _train(llm: Any, examples: list[Any], init_adapter: str, out: Path, cfg: TrainConfig, total: int, seed: int,
            progress: bool, save_every: int, fingerprint: str, evals: list[Any] | None = None) -> list[float]:
     llm.load_lora("__training__", init_adapter)
-    trainer = LoraTrainer(llm, "__training__", cfg)
+    trainer = LoraTrainer(llm, "__training__", cfg, max(len(e.ids) for e in examples))
     rng = random.Random(seed)
     order: list[int] = []
     losses: list[float] = []

@@ -81,10 +81,12 @@ def batch_input(examples: Sequence[Example], adapter: str, length: int | None = 
 class LoraTrainer:
     """Trains the loaded adapter `name` of an LLM in place."""
 
-    def __init__(self, llm: Any, name: str, cfg: TrainConfig):
+    def __init__(self, llm: Any, name: str, cfg: TrainConfig, max_len: int = 0):
+        """max_len: the longest example the run will step on, if known: the engine (and an
+        automatic policy) is sized for it once instead of growing with the steps."""
         if name not in llm.adapters:
             raise InputError(f"no adapter {name!r} is loaded to train")
-        self.llm, self.name, self.cfg = llm, name, cfg
+        self.llm, self.name, self.cfg, self.max_len = llm, name, cfg, max_len
         self.adapter = llm.adapters[name]
         self.params: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         dev = llm.device  # the master weights and AdamW's state live beside the compute
@@ -100,8 +102,10 @@ class LoraTrainer:
     def step(self, examples: Sequence[Example]) -> float:
         """One optimizer step on these examples; the step's mean loss before the update."""
         llm = self.llm
-        max_len = max(len(e.ids) for e in examples)
-        policy = llm.choose_policy_for_training(len(examples))
+        max_len = max(self.max_len, *(len(e.ids) for e in examples))
+        policy = llm.choose_policy_for_training(min(len(examples), self.cfg.batch_size), max_len,
+                                                llm.adapter_rank(self.name))
+        llm.last_policy = policy
         pool = llm.adapter_pool()
         engine = llm.engine_for(policy, max_len, 1, training=True, need=pool.need([[self.name]]))
         engine.adapters = pool
@@ -136,7 +140,9 @@ class LoraTrainer:
         """The adapter's mean loss over the labelled tokens of these examples (no update): the
         log-probabilities of the inference path, through the same adapter."""
         prompts = [{"id": str(n), "prompt_ids": e.ids, "adapter": self.name} for n, e in enumerate(examples)]
-        out = self.llm.generate(prompts, max_new_tokens=0, prompt_logprobs=True).completions
+        policy = self.llm.choose_policy_for_training(self.cfg.batch_size, self.max_len, self.llm.adapter_rank(self.name)) \
+            if self.llm.policy_arg == "auto" else None  # the training engine's, not a search for inference
+        out = self.llm.generate(prompts, max_new_tokens=0, prompt_logprobs=True, policy=policy).completions
         total = count = 0.0
         for e, c in zip(examples, out):
             for t in range(1, len(e.ids)):

@@ -82,3 +82,32 @@ def test_a_killed_finetune_resumes_to_the_uninterrupted_adapter(tmp_path):
     assert [m["step"] for m in lines] == list(range(1, 41))
     other = subprocess.run(cmd(killed)[:-3] + ["--seed", "6", "-q"], cwd=tmp_path, capture_output=True, text=True)
     assert other.returncode == 2 and "checkpoint of another run" in other.stderr
+
+
+def test_finetune_policy_auto_streams_and_reaches_the_same_adapter(tmp_path, capsys):
+    """`flexoff finetune --policy auto` under a GPU budget that cannot hold the weights: it says
+    the policy and the plan, and trains the adapter the all-on-one-device default trains."""
+    from safetensors.torch import load_file
+
+    from flexoff.checkpoint import load_model
+    from flexoff.policy.hardware import h200, save
+
+    hw = h200()
+    profile = tmp_path / "hw.json"
+    save(hw.__class__(**{**hw.__dict__, "device": "cpu", "name": "test"}), profile)
+    s = load_model("dummy:llama-tiny").spec
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": f"line {i}: " + "xy" * (i % 4 + 2)}) + "\n" for i in range(6)))
+    common = ["finetune", "--model", "dummy:llama-tiny", "--data", str(data), "--steps", "4", "--batch-size", "3",
+              "--lr", "1e-2", "--lora-r", "4", "--dtype", "float32", "-q"]
+    gpu_mem = s.weight_bytes(4) * 3 // 4 + s.working_bytes(3, 16, 4, "cpu")
+    assert main(common + ["--output", str(tmp_path / "auto"), "--policy", "auto", "--hardware", str(profile),
+                          "--gpu-mem", str(gpu_mem), "--cpu-mem", "1GiB"]) == 0
+    err = capsys.readouterr().err
+    line = next(l for l in err.splitlines() if l.startswith("policy:"))
+    assert "planned" in line and "training tok/s" in line and not line.startswith("policy: 3x1 (100, 0")
+    assert main(common + ["--output", str(tmp_path / "plain")]) == 0
+    a, b = (load_file(str(tmp_path / d / "adapter_model.safetensors")) for d in ("auto", "plain"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert float((a[k] - b[k]).norm()) <= 1e-4 * float(b[k].norm()) + 1e-6, k

@@ -137,3 +137,82 @@ def test_llm_finetune_with_eval_data_reports_peft_eval_loss(tiny, tmp_path):
     assert abs(metrics[-1]["eval_loss"] - total / count) < 1e-4
     cfg = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
     assert cfg["r"] == 4 and cfg["target_modules"] == ["q_proj"]
+
+
+def _peft_init(path, folder, targets, seed):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    get_peft_model(AutoModelForCausalLM.from_pretrained(path), LoraConfig(r=4, lora_alpha=8, target_modules=targets)
+                   ).save_pretrained(folder)
+    return str(folder)
+
+
+def test_policy_auto_plans_an_offloaded_training_step_and_equals_peft(tiny, tmp_path):
+    """--policy auto for training under a small "GPU" budget: the searched policy streams part of
+    the weights and places the stash off the compute tier, and the steps still equal PEFT's; the
+    eval on the training engine needs no second search."""
+    from flexoff.checkpoint import load_model
+    from flexoff.policy.hardware import h200, save
+
+    path = tiny["llama"].path
+    init = _peft_init(path, tmp_path / "init", ["q_proj", "v_proj", "down_proj"], 0)
+    hw = h200()
+    profile = tmp_path / "hw.json"
+    save(hw.__class__(**{**hw.__dict__, "device": "cpu", "name": "test"}), profile)
+    s = load_model(str(path)).spec
+    gpu_mem = s.weight_bytes(4) * 3 // 4 + s.working_bytes(4, 16, 4, "cpu")  # not all the weights fit
+    cfg = TrainConfig(lr=5e-3, batch_size=4, max_grad_norm=0.5)
+    with LLM(str(path), policy="auto", hardware=str(profile), gpu_mem=gpu_mem, cpu_mem=1 << 30,
+             lora={"mine": init}) as llm:
+        ex = [to_example({"text": t}, llm.tokenizer, "t", 64) for t in TEXTS]
+        groups = [ex[0:4], ex[2:6]]
+        trainer = LoraTrainer(llm, "mine", cfg, max(len(e.ids) for e in ex))
+        ours = [trainer.step(groups[s % 2]) for s in range(8)]
+        policy, engine = llm.last_policy, llm.engine
+        trainer.eval_loss(ex[:2])
+        assert llm.engine is engine  # evaluated on the training engine
+    assert policy.w_gpu_percent < 100 and policy.stash_gpu_percent < 100 and llm.training_prediction is not None
+    want, _ = peft_losses(path, init, [batch_input(g, "mine") for g in groups], cfg, 8)
+    for a, b in zip(ours, want):
+        assert abs(a - b) < 1e-4 * abs(b), (policy.describe(), ours, want)
+
+
+def test_four_bit_base_trains_as_peft_on_the_dequantized_weights(tiny, tmp_path):
+    """QLoRA-style: with --compress-weight the frozen base is the 4-bit one; the steps equal PEFT
+    training on a model whose matmul weights are replaced by their 4-bit round trip (quant's
+    reference quantizer), and differ from training on the 16-bit base."""
+    from transformers import AutoModelForCausalLM
+
+    from flexoff.checkpoint import load_model
+    from flexoff.quant.format import dequantize, quantize
+    from flexoff.quant.sizes import compresses, weight_config
+
+    path = tiny["llama"].path
+    init = _peft_init(path, tmp_path / "init", ["q_proj", "o_proj", "up_proj", "down_proj"], 2)
+    cfg = TrainConfig(lr=5e-3, batch_size=3, max_grad_norm=0.5)
+    with LLM(str(path), policy=Policy(gpu_batch_size=3, w_gpu_percent=0, w_cpu_percent=100, compress_weight=True),
+             lora={"mine": init}) as llm:
+        ex = [to_example({"text": t}, llm.tokenizer, "t", 64) for t in TEXTS]
+        groups = [ex[0:3], ex[3:6]]
+        trainer = LoraTrainer(llm, "mine", cfg)
+        ours = [trainer.step(groups[s % 2]) for s in range(6)]
+    spec = load_model(str(path)).spec
+    qcfg = weight_config(4, 64)
+    model = AutoModelForCausalLM.from_pretrained(path).float()
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for layer in spec.layers:
+            for t in layer.tensors:
+                if compresses(t):
+                    w = params[t.hf_names[0]]
+                    w.copy_(dequantize(quantize(w.data, qcfg)).float().view_as(w))
+    q_path = tmp_path / "q"
+    model.save_pretrained(q_path)
+    batches = [batch_input(g, "mine") for g in groups]
+    want, _ = peft_losses(q_path, init, batches, cfg, 6)
+    plain, _ = peft_losses(path, init, batches, cfg, 6)
+    for a, b in zip(ours, want):
+        assert abs(a - b) < 1e-4 * abs(b), (ours, want)
+    assert max(abs(a - b) for a, b in zip(ours, plain)) > 1e-3  # the 4-bit base is not the 16-bit one
