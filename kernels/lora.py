@@ -58,27 +58,32 @@ class LoraPack:
                 self.buf[bo:bo + r * self.fan_out].view(r, self.fan_out))
 
 
-def lora_delta_ref(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: LoraPack) -> torch.Tensor:
-    """y plus each row's adapter delta: x (n, ..., in), y (n, ..., out), ids (n,) adapter per row."""
-    for a in sorted(set(ids.tolist()) - {-1}):
+def lora_delta_ref(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: LoraPack,
+                   host_ids: tuple[int, ...] | None = None) -> torch.Tensor:
+    """y plus each row's adapter delta: x (n, ..., in), y (n, ..., out), ids (n,) adapter per row;
+    `host_ids`, the same on the host, spares reading ids back (a wait for the device)."""
+    hid = host_ids if host_ids is not None else tuple(ids.tolist())
+    for a in sorted(set(hid) - {-1}):
         if p.ranks[a] == 0:
             continue
         A, Bt = p.weights(a)
-        rows = (ids == a).nonzero()[:, 0]
-        if rows.numel() == x.shape[0]:  # every row on this adapter (a training batch): no gathers
+        rows = [r for r, i in enumerate(hid) if i == a]
+        if len(rows) == x.shape[0]:  # every row on this adapter (a training batch): no gathers
             y = y + (F.linear(F.linear(x, A), Bt.t()) * p.scales[a]).to(y.dtype)
             continue
-        d = F.linear(F.linear(x.index_select(0, rows), A), Bt.t())
-        y = y.index_add(0, rows, (d * p.scales[a]).to(y.dtype))
+        at = torch.tensor(rows, device=x.device)
+        d = F.linear(F.linear(x.index_select(0, at), A), Bt.t())
+        y = y.index_add(0, at, (d * p.scales[a]).to(y.dtype))
     return y
 
 
-def lora_delta(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: LoraPack) -> torch.Tensor:
+def lora_delta(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: LoraPack,
+               host_ids: tuple[int, ...] | None = None) -> torch.Tensor:
     """The dispatch: the kernels for CUDA tensors, the reference elsewhere and wherever autograd
     records (a training sweep's recompute differentiates through it)."""
     if HAVE_TRITON and x.is_cuda and not torch.is_grad_enabled():
         return lora_delta_triton(x, y, ids, p)
-    return lora_delta_ref(x, y, ids, p)
+    return lora_delta_ref(x, y, ids, p, host_ids)
 
 
 SPLIT_K = 512  # input features one shrink program reduces

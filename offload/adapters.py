@@ -40,11 +40,12 @@ Key = tuple[int, str]  # (engine layer, matmul tensor name)
 class LoraLinear:
     """A base weight (a tensor or a weight object) and the LoRA of its batch's rows."""
 
-    def __init__(self, base: Any, ids: torch.Tensor, pack: LoraPack):
+    def __init__(self, base: Any, ids: torch.Tensor, pack: LoraPack, host_ids: tuple[int, ...] | None = None):
         self.base, self.ids, self.pack = base, ids, pack
+        self.host_ids = host_ids  # the same adapter indices on the host, where known
 
     def linear(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        return lora_delta(x, linear(x, self.base, b), self.ids, self.pack)
+        return lora_delta(x, linear(x, self.base, b), self.ids, self.pack, self.host_ids)
 
     def dense(self) -> torch.Tensor:
         return materialize(self.base)
@@ -175,11 +176,14 @@ class AdapterPool:
             self._cached.pop(name, None)
             return
         a = self.adapters[name]
+        dst, src = [], []
+        for key, s in h.slots.items():
+            m = a.modules[key]
+            dst += [self._buf[at + s.a_off:at + s.a_off + m.A.numel()].view_as(m.A),
+                    self._buf[at + s.b_off:at + s.b_off + m.B.numel()].view(m.B.shape[1], m.B.shape[0])]
+            src += [m.A.detach(), m.B.detach().t()]
         with torch.no_grad():
-            for key, s in h.slots.items():
-                m = a.modules[key]
-                self._buf[at + s.a_off:at + s.a_off + m.A.numel()].view_as(m.A).copy_(m.A)
-                self._buf[at + s.b_off:at + s.b_off + m.B.numel()].view(m.B.shape[1], m.B.shape[0]).copy_(m.B.t())
+            torch._foreach_copy_(dst, src)  # as few kernels as the dtypes and devices allow
 
     def drop_cache(self) -> None:
         """Forget the adapters the device holds (resident): the next block copies its own again."""
@@ -281,15 +285,17 @@ class AdapterPool:
         return [mover.copy_many([(dst[at:at + n], src) for src, at, n in copies], deps)]
 
     # ---- rows --------------------------------------------------------------------------------
-    def ids(self, names: Sequence[str | None]) -> torch.Tensor:
-        """A batch's adapter per row as block indices on the device (-1: the base model)."""
-        return torch.tensor([self.index[n] if n is not None else -1 for n in names], dtype=torch.int32,
-                            device=self.device)
+    def ids(self, names: Sequence[str | None]) -> tuple[torch.Tensor, tuple[int, ...]]:
+        """A batch's adapter per row as block indices (-1: the base model), on the device and
+        on the host."""
+        host = tuple(self.index[n] if n is not None else -1 for n in names)
+        return torch.tensor(host, dtype=torch.int32, device=self.device), host
 
     def adapt(self, j: int, w: Mapping[str, Any], ids: torch.Tensor, present: Iterable[int] | None,
-              slot: int | None = None) -> Mapping[str, Any]:
+              slot: int | None = None, host_ids: tuple[int, ...] | None = None) -> Mapping[str, Any]:
         """Layer j's weights, its matmuls that an adapter of the batch (`present`; None: any
-        adapter of the pool) adapts wrapped; paged, the LoRA is read from weight slot `slot`."""
+        adapter of the pool) adapts wrapped; paged, the LoRA is read from weight slot `slot`.
+        `host_ids`: ids on the host, where known (the reference path then never reads them back)."""
         out = None
         present = list(present) if present is not None else None
         for name in w:
@@ -299,5 +305,5 @@ class AdapterPool:
             if self.paged:
                 p = replace(p, buf=self._slots[slot])
             out = out if out is not None else dict(w)
-            out[name] = LoraLinear(w[name], ids, p)
+            out[name] = LoraLinear(w[name], ids, p, host_ids)
         return out if out is not None else w

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +45,14 @@ class BlockResult:
     prompt_logprobs: list[torch.Tensor | None] = field(default_factory=list)  # per batch (n, s-1)
     traffic_prefill: dict[str, int] = field(default_factory=dict)  # bytes moved by path, and read by CPU attention
     traffic_decode: dict[str, int] = field(default_factory=dict)
+
+
+class BatchAdapters(NamedTuple):
+    """A GPU batch's LoRA adapters: each row's block index (-1: none) on the device and on the
+    host, and which indices are present."""
+    ids: torch.Tensor
+    host: tuple[int, ...]
+    present: frozenset[int]
 
 
 class BatchState:
@@ -172,7 +180,8 @@ class BlockRun:
             pool.begin([a for b in batches for a in (b.adapters or ())], engine.adapter_need, engine.weights)
             engine.weights.adapters = pool if pool.paged else None
         # per batch: the adapter of each row (block indices), and which are present
-        self.adapters = [(pool.ids(b.adapters), frozenset(pool.index[a] for a in b.adapters if a is not None))
+        self.adapters = [BatchAdapters(*pool.ids(b.adapters),
+                                       frozenset(pool.index[a] for a in b.adapters if a is not None))
                          if pool is not None and b.adapters else None for b in batches]
         self.pending: list[Pending] = []
         self.cpu_free_at: float | None = None  # when the CPU attention lane last finished a call

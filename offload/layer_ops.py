@@ -51,9 +51,10 @@ def dense(w: Mapping[str, Any]) -> dict[str, Any]:
     for n, v in w.items():
         if isinstance(v, LoraLinear):
             p = v.pack
-            used = sorted(a for a in set(v.ids.tolist()) - {-1} if p.ranks[a])
+            hid = v.host_ids if v.host_ids is not None else tuple(v.ids.tolist())
+            used = sorted(a for a in set(hid) - {-1} if p.ranks[a])
             leaves = {a: tuple(t.detach().requires_grad_(True) for t in p.weights(a)) for a in used}
-            out[n] = LoraLinear(materialize(v.base), v.ids, replace(p, leaves=leaves))
+            out[n] = LoraLinear(materialize(v.base), v.ids, replace(p, leaves=leaves), v.host_ids)
         else:
             out[n] = materialize(v)
     return out
@@ -118,8 +119,9 @@ class LayerOp:
         e = self.e
         e.stage(run, self.j)  # a no-op if staged already
         w, deps = e.weights.get(self.j)
-        if run.adapters[k]:
-            w = e.adapters.adapt(self.j, w, *run.adapters[k], e.weights.slot_of(self.j))
+        ba = run.adapters[k]
+        if ba:
+            w = e.adapters.adapt(self.j, w, ba.ids, ba.present, e.weights.slot_of(self.j), ba.host)
         return w, deps
 
     def forward(self, run: BlockRun, step: Step) -> None:

@@ -117,7 +117,7 @@ class LeanDecoder:
                 e.kv.homes[li][k]["gpu"].buf[:T * st.n * e.kv.codec.rec_bytes].view(T, -1)[S:].zero_()
         batches = []
         for k, st in enumerate(run.states):
-            ada = run.adapters[k][0] if run.adapters[k] else None
+            ada = run.adapters[k].ids if run.adapters[k] else None
             # a batch with adapters has its own graph, reading the pool's buffers of now
             key = (k, st.n, e.adapters.version if ada is not None else None)
             if key not in self.batches:

@@ -95,7 +95,8 @@ class LoraTrainer:
             m.B = m.B.detach().to(dev, torch.float32, copy=True).requires_grad_(True)
             self.params[key] = (m.A, m.B)
         flat = [t for ab in self.params.values() for t in ab]
-        self.opt = torch.optim.AdamW(flat, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        self.opt = torch.optim.AdamW(flat, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                                     fused=dev.type == "cuda")  # one kernel for all the adapter's tensors
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(cfg, s))
         self.steps_done = 0
 
@@ -112,7 +113,8 @@ class LoraTrainer:
         gbs, per_block = policy.gpu_batch_size, min(policy.block_size, self.cfg.batch_size)
         tokens = sum(sum(e.loss[1:]) for e in examples)
         loss = 0.0
-        grads = {key: [torch.zeros_like(a), torch.zeros_like(b)] for key, (a, b) in self.params.items()}
+        keys = list(self.params)
+        grads: list[torch.Tensor] | None = None  # A, B of each key in turn, float32
         for b0 in range(0, len(examples), per_block):
             chunk = examples[b0:b0 + per_block]
             S = max(len(e.ids) for e in chunk)  # one padded length for the block's GPU batches
@@ -120,13 +122,19 @@ class LoraTrainer:
             res = engine.run_train(batches)
             share = res.tokens / tokens  # this block's losses were averaged over its own tokens
             loss += res.loss * share
-            for key, per in res.lora_grads.items():
-                if key in grads and self.name in per:
-                    gA, gBt = per[self.name]
-                    grads[key][0] += gA.float() * share
-                    grads[key][1] += gBt.t().float() * share
-        for key, (a, b) in self.params.items():
-            a.grad, b.grad = grads[key]
+            got = []
+            for key in keys:
+                per = res.lora_grads.get(key, {}).get(self.name)  # d loss / d (A, B transposed)
+                got += [per[0].float(), per[1].t().float()] if per is not None else \
+                    [torch.zeros_like(t) for t in self.params[key]]
+            if grads is None:
+                grads = torch._foreach_mul(got, share)
+            else:
+                torch._foreach_add_(grads, got, alpha=share)
+        assert grads is not None
+        for n, key in enumerate(keys):
+            a, b = self.params[key]
+            a.grad, b.grad = grads[2 * n], grads[2 * n + 1]
         if self.cfg.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_([t for ab in self.params.values() for t in ab], self.cfg.max_grad_norm)
         self.opt.step()
