@@ -315,10 +315,11 @@ class LLM:
             return auto_policy(self, prompt, gen, len(requests))
         return Policy.load(p)
 
-    def choose_policy_for_training(self, n: int, seq_len: int, lora_rank: float = 16) -> Policy:
-        """The policy training steps of n sequences of up to seq_len tokens run under: the one
-        given, everything on the compute device, or (auto) the searched one, planned once for the
-        longest window asked for so far (shorter steps run on the same engine)."""
+    def choose_policy_for_training(self, n: int, seq_len: int, adapter: str) -> Policy:
+        """The policy training steps of n sequences of up to seq_len tokens (of the loaded
+        adapter `adapter`) run under: the one given, everything on the compute device, or (auto)
+        the searched one, planned once for the longest window asked for so far (shorter steps run
+        on the same engine)."""
         p = self.policy_arg
         if isinstance(p, Policy):
             return p
@@ -327,7 +328,7 @@ class LLM:
             if planned is None or planned[0] < seq_len:
                 from flexoff.autopolicy import auto_training_policy
 
-                cand = auto_training_policy(self, seq_len, n, lora_rank)
+                cand = auto_training_policy(self, seq_len, n, adapter)
                 self._training_plans[n] = planned = (seq_len, cand.policy, cand.prediction)
             self.training_prediction = planned[2]
             return planned[1]

@@ -17,6 +17,7 @@ import click
 
 from flexoff import profiler
 from flexoff.errors import MemoryBudgetError
+from flexoff.offload.adapters import Need
 from flexoff.offload.engine import adapter_bytes
 from flexoff.offload.layout import Layout
 from flexoff.offload.memory import MemoryPlan, check, plan_memory
@@ -26,17 +27,20 @@ from flexoff.policy.policy import Policy
 from flexoff.policy.search import Budget, Candidate, default_shapes, search, search_training
 
 
-def engine_plan(llm: Any, policy: Policy, prompt_len: int, gen_len: int, training: bool = False) -> MemoryPlan:
-    """What the engine would allocate for this policy."""
+def engine_plan(llm: Any, policy: Policy, prompt_len: int, gen_len: int, training: bool = False,
+                need: Need | None = None) -> MemoryPlan:
+    """What the engine would allocate for this policy (`need`: its adapters' room, if not the job's;
+    training, the trained adapter's)."""
     from flexoff.quant.engine import formats
 
     spec, policy = llm.plan_spec, llm.stage_policy(policy)  # a pipeline's heaviest stage
     fmt, codec = formats(policy, spec, llm.dtype)
     layouts = [Layout(fmt.fields(l)) for l in spec.layers]
+    need = need if need is not None else llm.adapter_need(policy.block_size)
     return plan_memory(spec, layouts, codec.rec_bytes, policy, prompt_len, gen_len, llm.dtype,
                        llm.device.type == "cuda", training,
-                       adapters=adapter_bytes(llm.adapter_need(policy.block_size), llm.adapter_host_bytes(),
-                                              layouts, policy, llm.dtype))
+                       adapters=adapter_bytes(need, llm.adapter_host_bytes(), layouts, policy, llm.dtype),
+                       trained=need.elements if training else 0)
 
 
 def _budget(llm: Any) -> tuple[Any, Budget]:
@@ -93,10 +97,14 @@ def auto_policy(llm: Any, prompt_len: int, gen_len: int, num_prompts: int | None
     return _first_that_fits(llm, budget, searched, lambda p: engine_plan(llm, p, prompt_len, gen_len)).policy
 
 
-def auto_training_policy(llm: Any, seq_len: int, batch: int, lora_rank: float) -> Candidate:
+def auto_training_policy(llm: Any, seq_len: int, batch: int, adapter: str) -> Candidate:
     """The best searched training policy (and its prediction) for micro-batches of `batch`
-    sequences of up to `seq_len` tokens that the engine's accounting accepts."""
+    sequences of up to `seq_len` tokens of the loaded adapter `adapter` that the engine's
+    accounting accepts."""
     hw, budget = _budget(llm)
-    searched = lambda b: search_training(llm.plan_spec, hw, seq_len, batch, b, lora_rank=lora_rank,  # noqa: E731
-                                         compress_weight=llm.compression[0], elem_bytes=llm.dtype.itemsize)
-    return _first_that_fits(llm, budget, searched, lambda p: engine_plan(llm, p, seq_len, 1, training=True))
+    need = llm.adapter_pool().need([[adapter]])
+    searched = lambda b: search_training(llm.plan_spec, hw, seq_len, batch, b,  # noqa: E731
+                                         lora_rank=llm.adapter_rank(adapter), compress_weight=llm.compression[0],
+                                         elem_bytes=llm.dtype.itemsize)
+    return _first_that_fits(llm, budget, searched,
+                            lambda p: engine_plan(llm, p, seq_len, 1, training=True, need=need))

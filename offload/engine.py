@@ -93,7 +93,8 @@ class Engine:
         layouts = [Layout(self.fmt.fields(l)) for l in spec.layers]
         self.plan: MemoryPlan = plan_memory(spec, layouts, codec.rec_bytes, policy, max_prompt, max_gen,
                                             dtype, device.type == "cuda", training,
-                                            adapter_bytes(adapter_need, adapter_host_bytes, layouts, policy, dtype))
+                                            adapter_bytes(adapter_need, adapter_host_bytes, layouts, policy, dtype),
+                                            adapter_need.elements if training else 0)
         self.adapter_need = adapter_need  # the room a block's LoRA adapters have on the compute device
         self.training = training  # made for training sweeps (a stash, or kept graphs)
         if moving:  # an older store's layers (their splits) move in: each stays until it has moved

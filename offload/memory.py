@@ -29,6 +29,7 @@ from flexoff.offload.placement import TIERS
 from flexoff.offload.tiers import GiB, Budgets
 from flexoff.offload.weights import plan_weights, weight_bytes
 from flexoff.policy.policy import GPU_RESERVE, Policy, weight_slots
+from flexoff.policy.train_cost import optimizer_bytes
 
 HOST_IO_SETS = 2  # CPU attention's pinned buffer sets: one call's copies overlap the last's attention
 
@@ -53,9 +54,10 @@ class MemoryPlan:
 
 def plan_memory(spec: ModelSpec, layouts: list[Layout], kv_rec_bytes: int, policy: Policy,
                 max_prompt: int, max_gen: int, dtype: torch.dtype, cuda: bool, training: bool = False,
-                adapters: dict[str, int] | None = None) -> MemoryPlan:
+                adapters: dict[str, int] | None = None, trained: int = 0) -> MemoryPlan:
     """What each tier holds for a policy; with `training`, windows of up to max_prompt tokens
-    also stash every layer's input for the reverse sweep; `adapters`: LoRA adapter bytes per tier."""
+    also stash every layer's input for the reverse sweep, and the optimizer holds its copies of
+    the `trained` LoRA parameters; `adapters`: LoRA adapter bytes per tier."""
     elem = dtype.itemsize
     plan = MemoryPlan()
     plan.add("weights", weight_bytes(plan_weights(layouts, policy), weight_slots(policy.cpu_cache_compute)))
@@ -68,6 +70,8 @@ def plan_memory(spec: ModelSpec, layouts: list[Layout], kv_rec_bytes: int, polic
         else:
             plan.add("stash", stash_bytes(spec, elem, policy, max_prompt))
         plan.add("backward working", {"gpu": backward_bytes(spec, elem, policy, max_prompt)})
+        if trained:
+            plan.add("optimizer", {"gpu": optimizer_bytes(trained, elem)})
     if adapters and any(adapters.values()):
         plan.add("adapters", adapters)
     pinned = 4 * CHUNK if (cuda and plan.total("disk") > 0) else 0  # disk bounce buffers

@@ -35,6 +35,17 @@ from flexoff.policy.hardware import Hardware
 
 TRAIN_VARS = VARS + ("sg", "sc", "sd")
 SWEEPS = ("f", "b")
+# bytes per trained LoRA parameter on the compute device, beyond the adapter the engine reads: the
+# float32 master copy, its gradient and AdamW's two moments, the float32 gradient being summed from
+# a block, plus the engine's gradient in the compute dtype (optimizer_bytes adds its size)
+OPTIMIZER_BYTES = 5 * 4
+
+
+def optimizer_bytes(params: float, elem_bytes: int) -> float:
+    """What training `params` LoRA parameters holds on the compute device besides the adapter."""
+    return params * (OPTIMIZER_BYTES + elem_bytes)
+
+
 CACHE_PREFERENCE = 1e-6  # of the LP's time unit, per fraction: a step reads no KV cache; keep it in CPU memory
 
 
@@ -142,10 +153,12 @@ class TrainCostModel(CostModel):
     # ---- memory --------------------------------------------------------
     def memory(self, x: Mapping[str, Any]) -> dict[str, Any]:
         """The engine's plan for a training engine: inference's (weights, an unused KV cache of
-        S + 1 tokens, the hidden state, working memory) plus the stash or the kept graphs, and the
-        graph of one layer of one GPU batch that the reverse sweep's recompute holds."""
+        S + 1 tokens, the hidden state, working memory, the adapter) plus the stash or the kept
+        graphs, the graph of one layer of one GPU batch that the reverse sweep's recompute holds,
+        and the optimizer's float32 copies of the adapter."""
         mem = super().memory(x)
         ch, S = self.ch, self.S
+        mem["gpu"] += optimizer_bytes(self.lora_bytes / self.work.elem_bytes, self.work.elem_bytes)
         layers = len(self.spec.layers) - 1  # every layer's input but the embedding's
         stash = ch.bls * S * self.A * layers
         mem["gpu"] += ch.gpu_batch_size * S * self.graph_layer

@@ -104,8 +104,7 @@ class LoraTrainer:
         """One optimizer step on these examples; the step's mean loss before the update."""
         llm = self.llm
         max_len = max(self.max_len, *(len(e.ids) for e in examples))
-        policy = llm.choose_policy_for_training(min(len(examples), self.cfg.batch_size), max_len,
-                                                llm.adapter_rank(self.name))
+        policy = llm.choose_policy_for_training(min(len(examples), self.cfg.batch_size), max_len, self.name)
         llm.last_policy = policy
         pool = llm.adapter_pool()
         engine = llm.engine_for(policy, max_len, 1, training=True, need=pool.need([[self.name]]))
@@ -148,7 +147,7 @@ class LoraTrainer:
         """The adapter's mean loss over the labelled tokens of these examples (no update): the
         log-probabilities of the inference path, through the same adapter."""
         prompts = [{"id": str(n), "prompt_ids": e.ids, "adapter": self.name} for n, e in enumerate(examples)]
-        policy = self.llm.choose_policy_for_training(self.cfg.batch_size, self.max_len, self.llm.adapter_rank(self.name)) \
+        policy = self.llm.choose_policy_for_training(self.cfg.batch_size, self.max_len, self.name) \
             if self.llm.policy_arg == "auto" else None  # the training engine's, not a search for inference
         out = self.llm.generate(prompts, max_new_tokens=0, prompt_logprobs=True, policy=policy).completions
         total = count = 0.0

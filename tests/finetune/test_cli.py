@@ -91,6 +91,7 @@ def test_finetune_policy_auto_streams_and_reaches_the_same_adapter(tmp_path, cap
 
     from flexoff.checkpoint import load_model
     from flexoff.policy.hardware import h200, save
+    from flexoff.policy.train_cost import optimizer_bytes
 
     hw = h200()
     profile = tmp_path / "hw.json"
@@ -100,7 +101,8 @@ def test_finetune_policy_auto_streams_and_reaches_the_same_adapter(tmp_path, cap
     data.write_text("".join(json.dumps({"text": f"line {i}: " + "xy" * (i % 4 + 2)}) + "\n" for i in range(6)))
     common = ["finetune", "--model", "dummy:llama-tiny", "--data", str(data), "--steps", "4", "--batch-size", "3",
               "--lr", "1e-2", "--lora-r", "4", "--dtype", "float32", "-q"]
-    gpu_mem = s.weight_bytes(4) * 3 // 4 + s.working_bytes(3, 16, 4, "cpu")
+    trained = 4 * sum(s.lora_width(j) for j in range(len(s.layers)))  # rank 4 on every linear layer
+    gpu_mem = s.weight_bytes(4) * 3 // 4 + s.working_bytes(3, 16, 4, "cpu") + int(optimizer_bytes(trained, 4))
     assert main(common + ["--output", str(tmp_path / "auto"), "--policy", "auto", "--hardware", str(profile),
                           "--gpu-mem", str(gpu_mem), "--cpu-mem", "1GiB"]) == 0
     err = capsys.readouterr().err

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from flexoff.checkpoint import load_model
+from flexoff.offload.adapters import Need
+from flexoff.offload.engine import adapter_bytes
 from flexoff.offload.layout import Layout, PlainFormat
 from flexoff.offload.memory import plan_memory
 from flexoff.policy.hardware import h200
@@ -47,18 +49,26 @@ def test_training_lp_optimum_is_never_worse_than_a_grid_point(gbs, nb, apart, ov
 
 
 def test_training_memory_is_the_engines_plan():
-    """What the LP plans for a rounded policy is what a training engine allocates (within the
-    engine's pinned bounce buffers and alignment)."""
+    """What the LP plans for a rounded policy is what a training engine allocates for a rank-16
+    adapter on every linear layer (within the engine's pinned bounce buffers, alignment, whole
+    tensors staged, and the adapter's host copy)."""
     s = spec("opt-1.3b")
     layouts = [Layout(PlainFormat(torch.float16).fields(l)) for l in s.layers]
     budget = Budget(6 * GiB, 40 * GiB, 100 * GiB)
+    widths = [s.lora_width(j) for j in range(len(s.layers))]
+    need = Need(1, 16 * sum(widths), 16 * max(widths))  # one adapter of rank 16 on every linear layer
     for cand in search_training(s, h200(), 256, 8, budget)[:6] + search_training(s, h200(), 256, 8,
-                                                                                   Budget(2 * GiB, 4 * GiB, 1e12))[:3]:
+                                                                                   Budget(3 * GiB, 4 * GiB, 1e12))[:3]:
         p = cand.policy
-        plan = plan_memory(s, layouts, s.kv_bytes_per_token(2) // 1, p, 256, 1, torch.float16, True, training=True)
+        plan = plan_memory(s, layouts, s.kv_bytes_per_token(2), p, 256, 1, torch.float16, True, training=True,
+                           adapters=adapter_bytes(need, 2 * need.elements, layouts, p, torch.float16),
+                           trained=need.elements)
         for tier in ("gpu", "cpu", "disk"):
             want, got = plan.total(tier), cand.prediction.memory[tier]
-            assert abs(want - got) <= 0.02 * want + 64 * 2**20, (p.describe(), tier, want, got)
+            # the engine splits a layer's weights by whole tensors and stages them so: a tier may
+            # hold up to a largest tensor per slot more or less than the LP's linear shares
+            slack = 2 * s.largest_matmul_bytes(2) if p.w_gpu_percent < 100 else 0
+            assert abs(want - got) <= 0.02 * want + 64 * 2**20 + slack, (p.describe(), tier, want, got)
 
 
 def test_streamed_training_pays_two_weight_sweeps_and_resident_training_keeps_graphs():
