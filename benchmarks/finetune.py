@@ -186,14 +186,18 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for system in args.systems.split(","):
         torch.cuda.reset_peak_memory_stats()
-        rows.append({"flexoff": flexoff_run, "peft": peft_run}[system](args))
+        try:
+            rows.append({"flexoff": flexoff_run, "peft": peft_run}[system](args))
+        except Exception as e:  # a baseline that cannot run this is a result too
+            print(f"{system} failed: {type(e).__name__}: {e}", file=sys.stderr)
+            rows.append({"system": system, "error": f"{type(e).__name__}: {e}"})
         gc.collect()
         torch.cuda.empty_cache()
-    peft = next((r for r in rows if r["system"] == "peft"), None)
+    peft = next((r for r in rows if r["system"] == "peft" and "error" not in r), None)
     for r in rows:
         r.update(model=args.model, rank=args.rank, batch=args.batch, seq=args.seq, steps=args.steps,
                  compress_weight=args.compress_weight and r["system"] == "flexoff", **env)
-        r["vs_peft"] = r["train_tokens_per_s"] / peft["train_tokens_per_s"] if peft else None
+        r["vs_peft"] = r["train_tokens_per_s"] / peft["train_tokens_per_s"] if peft and "error" not in r else None
     print(table(rows, ["system", "policy", "step_s", "predicted_step_s", "train_tokens_per_s", "vs_peft"]))
     write_jsonl(args.out, rows)
     return 0
