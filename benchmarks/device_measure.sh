@@ -189,7 +189,7 @@ PY
      fi ;;
   W) echo "=== finetune opt-30b, 16 GiB GPU, auto, against PEFT + Accelerate ($(date +%T))"
      timeout ${TRAIN_S:-560} python3 benchmarks/finetune.py --model dummy:opt-30b --policy auto --hardware $HW \
-       --gpu-mem 16GiB --cpu-mem 100GiB --peft-gpu-mem 16GiB --steps ${STEPS:-3} --warmup 1 \
+       --gpu-mem 16GiB --cpu-mem 100GiB --peft-gpu-mem 16GiB --steps ${STEPS:-3} --warmup 1 --systems ${SYSTEMS:-flexoff,peft} \
        --out "$OUT/finetune-opt30b.jsonl" 2>&1 | grep -v "^\s*$" | tail -8
      [ -z "${WITH_4BIT:-}" ] || { echo "=== the same, 4-bit base ($(date +%T))"
      timeout ${TRAIN4_S:-300} python3 benchmarks/finetune.py --model dummy:opt-30b --policy auto --hardware $HW \

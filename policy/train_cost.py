@@ -46,6 +46,11 @@ def optimizer_bytes(params: float, elem_bytes: int) -> float:
     return params * (OPTIMIZER_BYTES + elem_bytes)
 
 
+# a training layer step's host work (autograd's recompute and vector-Jacobian product, in Python)
+# in engine steps of the hardware profile (host_step_s, a decode step's): 2.2 ms against 0.65 ms
+# in a torch.profiler trace of resident LLaMA-7B training on the H200 (RESULTS.md)
+TRAIN_HOST_STEPS = 3.0
+
 CACHE_PREFERENCE = 1e-6  # of the LP's time unit, per fraction: a step reads no KV cache; keep it in CPU memory
 
 
@@ -146,7 +151,7 @@ class TrainCostModel(CostModel):
                 else:  # [recompute] + input gradient + attention's backward + LoRA's gradients
                     comp = (0 if keep else lin + lora + attn + deq_w) + lin + 2 * attn + 2 * lora
                 t["comp"] = comp
-                t["host"] = ch.num_gpu_batches * hw.host_step_s
+                t["host"] = ch.num_gpu_batches * hw.host_step_s * TRAIN_HOST_STEPS
                 out[(sweep, k)] = t
         return out
 
@@ -158,7 +163,10 @@ class TrainCostModel(CostModel):
         and the optimizer's float32 copies of the adapter."""
         mem = super().memory(x)
         ch, S = self.ch, self.S
-        mem["gpu"] += optimizer_bytes(self.lora_bytes / self.work.elem_bytes, self.work.elem_bytes)
+        eb = self.work.elem_bytes
+        mem["gpu"] += optimizer_bytes(self.lora_bytes / eb, eb)
+        if ch.compress_weight:  # the reverse sweep dequantizes a whole layer, not one matmul
+            mem["gpu"] += self.spec.largest_layer_matmul_bytes(eb) - self.spec.largest_matmul_bytes(eb)
         layers = len(self.spec.layers) - 1  # every layer's input but the embedding's
         stash = ch.bls * S * self.A * layers
         mem["gpu"] += ch.gpu_batch_size * S * self.graph_layer

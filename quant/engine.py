@@ -21,7 +21,7 @@ from flexoff.models.spec import ModelSpec
 from flexoff.offload.kvcache import PlainKV
 from flexoff.offload.layout import PlainFormat
 from flexoff.policy.policy import Policy
-from flexoff.quant.format import QuantConfig, from_rows, part_shapes, quantize, to_rows
+from flexoff.quant.format import QuantConfig, from_rows, part_shapes, quantize_in_pieces, to_rows
 from flexoff.quant.sizes import compresses, kv_config, kv_record_bytes, weight_config
 
 PARTS = ("data", "scale", "mn")
@@ -66,8 +66,8 @@ class CompressedFormat:
         out = {}
         for t in layer.tensors:
             x = tensors[t.name]
-            if compresses(t):
-                c = quantize(x, self.cfg)
+            if compresses(t):  # in pieces: a weight loaded onto a nearly full GPU has little room
+                c = quantize_in_pieces(x, self.cfg)
                 out.update({f"{t.name}:data": c.data, f"{t.name}:scale": c.scale, f"{t.name}:mn": c.mn})
             else:
                 out[t.name] = x.to(self.dtype)

@@ -112,6 +112,18 @@ def quantize(x: torch.Tensor, cfg: QuantConfig = QuantConfig()) -> Compressed:
     return Compressed(data, scale, mn, tuple(x.shape), x.dtype, cfg)
 
 
+def quantize_in_pieces(x: torch.Tensor, cfg: QuantConfig, piece: int = 1 << 24) -> Compressed:
+    """quantize(x) of a matrix grouped along its first dimension, a few columns at a time (each
+    column is a row of the packed form): the same result, with float32 temporaries of about
+    `piece` values instead of the whole matrix."""
+    if x.dim() != 2 or cfg.dim % 2 != 0 or x.numel() <= piece:
+        return quantize(x, cfg)
+    cols = max(1, piece // x.shape[0])
+    parts = [quantize(x[:, c:c + cols], cfg) for c in range(0, x.shape[1], cols)]
+    return Compressed(torch.cat([p.data for p in parts]), torch.cat([p.scale for p in parts]),
+                      torch.cat([p.mn for p in parts]), tuple(x.shape), x.dtype, cfg)
+
+
 def quantize_rows(rows: torch.Tensor, cfg: QuantConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Packed data, scale and minimum of (rows, n) values, n a multiple of the group."""
     g = rows.float().view(rows.shape[0], -1, cfg.group)  # (rows, groups, group)

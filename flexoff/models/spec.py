@@ -110,6 +110,11 @@ class ModelSpec:
         dequantized into a temporary this big at prefill shapes)."""
         return max(math.prod(t.shape) for l in self.layers for t in l.tensors if t.matmul) * elem_bytes
 
+    def largest_layer_matmul_bytes(self, elem_bytes: int) -> int:
+        """Bytes of the matmul weights of the layer that has the most, in the compute dtype (a
+        training step's reverse sweep dequantizes all of a compressed layer's weights at once)."""
+        return max(sum(math.prod(t.shape) for t in l.tensors if t.matmul) for l in self.layers) * elem_bytes
+
     def inflight_bytes(self, batch: int, seq: int, elem_bytes: int) -> int:
         """Device memory of outputs still being copied away when the next layer runs: the keys,
         values and hidden states of up to two layer-batches (the store lane trails compute)."""
