@@ -57,24 +57,34 @@ def _budget(llm: Any) -> tuple[Any, Budget]:
 def _first_that_fits(llm: Any, budget: Budget, searched: Callable[[Budget], list[Candidate]],
                      plan: Callable[[Policy], MemoryPlan]) -> Candidate:
     """The best searched candidate that the engine's own accounting accepts. Where the engine
-    needs more than the cost model counted (alignment, staging of whole tensors), the search is
-    run again with budgets lowered by the difference."""
+    needs more than the cost model counted for candidates ranked above the first that passes
+    (alignment, staging of whole tensors), the search is run again with budgets lowered by the
+    difference, and the better of the passing candidates is kept."""
     error: MemoryBudgetError | None = None
+    best: Candidate | None = None
     for _ in range(4):
         excess = {t: 0.0 for t in TIERS}
         for cand in searched(budget)[:8]:
+            if best is not None and cand.prediction.throughput <= best.prediction.throughput:
+                break  # ranked best first: nothing further down beats what passed already
             need = plan(cand.policy)
             try:
                 check(need, llm.options.budgets, llm.device, llm.options.offload_dir)
-                return cand
             except MemoryBudgetError as e:
                 error = e
-            for t in TIERS:
-                excess[t] = max(excess[t], need.total(t) - cand.prediction.memory[t])
+                for t in TIERS:
+                    excess[t] = max(excess[t], need.total(t) - cand.prediction.memory[t])
+                continue
+            best = cand
+            break
+        if not any(v > 0 for v in excess.values()):
+            break  # the round's best passed (or nothing better was left to try)
         budget = Budget(*(getattr(budget, t) - max(0.0, excess[t]) for t in TIERS))
         if min(budget.gpu, budget.cpu, budget.disk) <= 0:
             break
-    raise MemoryBudgetError(f"no searched policy passes the engine's memory check: {error}")
+    if best is None:
+        raise MemoryBudgetError(f"no searched policy passes the engine's memory check: {error}")
+    return best
 
 
 def auto_policy(llm: Any, prompt_len: int, gen_len: int, num_prompts: int | None, **search_args: Any) -> Policy:
