@@ -61,8 +61,8 @@ def predict_training(spec: Any, hw: Any, p: Any, seq: int, batch: int, rank: flo
             **rows(p.cache_gpu_percent, p.cache_cpu_percent, "c"), **rows(p.act_gpu_percent, p.act_cpu_percent, "h"),
             **rows(p.stash_gpu_percent, p.stash_cpu_percent, "s")}
     keep = frac["wg"] >= 1 and frac["sg"] >= 1
-    choice = TrainChoice(p.gpu_batch_size, p.num_gpu_batches, p.compress_weight, keep, overlap=p.overlap,
-                         quant_bits=p.quant_bits, quant_group=p.quant_group)
+    choice = TrainChoice(p.gpu_batch_size, p.num_gpu_batches, p.compress_weight, overlap=p.overlap,
+                         quant_bits=p.quant_bits, quant_group=p.quant_group, keep_graphs=keep)
     pred = TrainCostModel(spec, hw, seq, choice, rank).evaluate(frac)
     blocks = -(-batch // p.block_size)
     pred.throughput = batch * seq / (blocks * pred.latency)

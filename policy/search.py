@@ -228,7 +228,8 @@ def search_training(spec: ModelSpec, hw: Hardware, seq_len: int, batch: int, bud
     out, seen = [], set()
     modes = ((True, "stash"), (False, "stash"), (False, "weights"))  # graphs kept; else what is apart
     for (gbs, nb), cw, (keep, apart) in itertools.product(shapes, _choices(compress_weight), modes):
-        model = TrainCostModel(spec, hw, seq_len, TrainChoice(gbs, nb, cw, keep, apart, overlap), lora_rank,
+        model = TrainCostModel(spec, hw, seq_len, TrainChoice(gbs, nb, cw, overlap=overlap, keep_graphs=keep,
+                                                                  apart=apart), lora_rank,
                                elem_bytes)
         sol = solve_lp(model, budget)
         cand = _candidate(model, sol[0], budget, None) if sol is not None else None

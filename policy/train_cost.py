@@ -55,23 +55,14 @@ CACHE_PREFERENCE = 1e-6  # of the LP's time unit, per fraction: a step reads no 
 
 
 @dataclass(frozen=True)
-class TrainChoice:
-    """The discrete part of a training policy, fixed while the LP picks the placement."""
+class TrainChoice(Choice):
+    """The discrete part of a training policy, fixed while the LP picks the placement (the KV
+    cache is neither compressed nor attended on the CPU: training reads none)."""
 
-    gpu_batch_size: int
-    num_gpu_batches: int
-    compress_weight: bool = False
     keep_graphs: bool = False  # needs wg = sg = 1
     # without kept graphs, what is not all on the GPU (else the engine would keep them): "stash"
     # (a row of each batch's stash at least) or "weights"
     apart: str = "stash"
-    overlap: bool = True
-    quant_bits: int = 4
-    quant_group: int = 64
-
-    @property
-    def bls(self) -> int:
-        return self.gpu_batch_size * self.num_gpu_batches
 
 
 def graph_token_elems(spec: ModelSpec, window: int) -> list[int]:
@@ -89,10 +80,8 @@ class TrainCostModel(CostModel):
 
     def __init__(self, spec: ModelSpec, hw: Hardware, seq_len: int, choice: TrainChoice, lora_rank: float = 16,
                  elem_bytes: int = 2):
-        super().__init__(spec, hw, Workload(seq_len, 1, elem_bytes, None, (lora_rank,)),
-                         Choice(choice.gpu_batch_size, choice.num_gpu_batches, choice.compress_weight, False, False,
-                                choice.overlap, choice.quant_bits, choice.quant_group))
-        self.train = choice
+        super().__init__(spec, hw, Workload(seq_len, 1, elem_bytes, None, (lora_rank,)), choice)
+        self.train = choice  # self.ch, typed with the training fields
         self.S = seq_len
         elems = graph_token_elems(spec, seq_len)
         self.graph_total = sum(elems) * elem_bytes  # per token, all layers
