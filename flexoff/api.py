@@ -208,14 +208,15 @@ class LLM:
             raise InputError(f"adapter name {adapter.name!r}: give a non-empty name without '='")
         self.adapters[adapter.name] = adapter
 
-    def adapter_need(self, block_size: int, requests: Sequence[Request] | None = None) -> Need:
+    def adapter_need(self, block_size: int, requests: Sequence[Request] | None = None,
+                     riders: Sequence[str] = ()) -> Need:
         """The device room the LoRA adapters of a job's blocks need (the job: `requests`, or the
-        one being run)."""
+        one being run; `riders`: adapters of co-served training windows, in any block)."""
         reqs = self._job if requests is None else requests
         pool = self.adapter_pool()
-        if pool is None or not any(r.adapter for r in reqs):
+        if pool is None or not (riders or any(r.adapter for r in reqs)):
             return Need()
-        return pool.need([r.adapter for r in b] for b in plan_blocks(reqs, block_size))
+        return pool.need([r.adapter for r in b] + list(riders) for b in plan_blocks(reqs, block_size))
 
     def adapter_host_bytes(self) -> int:
         """Host bytes of the loaded adapters in the compute dtype (the engine's plan counts them)."""
@@ -401,12 +402,14 @@ class LLM:
                  on_block: Callable[[list[Completion], RunStats], None] | None = None,
                  on_logits: Callable[[int, list[str], torch.Tensor], None] | None = None,
                  requests: list[Request] | None = None,
-                 adapters: Sequence[str | None] | None = None, policy: Policy | None = None) -> GenerationOutput:
+                 adapters: Sequence[str | None] | None = None, policy: Policy | None = None,
+                 rider: Any = None) -> GenerationOutput:
         """Complete every prompt; completions come back in input order (a request's samples
         together). `sampling_params` (vLLM's form: one for all prompts, or one per prompt) takes
         the place of the keyword settings; a prompt's own settings (a dict's keys) win over both.
         `policy`: run under this one instead of the LLM's (finetuning's evaluation runs on the
-        training engine)."""
+        training engine). `rider` (flexoff.finetune.coserve.CoTrainer): finetuning jobs whose
+        training windows take `rider.batches` GPU batches of every block."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if adapters is not None:  # one adapter name (or None) per prompt
@@ -435,18 +438,25 @@ class LLM:
             return GenerationOutput([], stats)
         self._job = reqs
         policy = self.last_policy = policy or self.choose_policy(reqs)
+        spare = rider.batches if rider is not None else 0  # GPU batches a block leaves to training windows
+        if spare and self.stage_policy(policy).num_gpu_batches <= spare:
+            raise InputError(f"co-serving gives {spare} GPU batches of each block to training; the policy "
+                             f"{policy.describe()} has {policy.num_gpu_batches}: raise --num-gpu-batches")
         done: dict[str, Completion] = {}
         bar = tqdm(total=len(reqs), desc="generating", unit="prompt", disable=not self.progress)
         try:
             for attempt in range(OOM_RETRIES + 1):
                 todo = [r for r in reqs if r.key not in done]
                 try:  # setting up the engine may run out too (weights loaded through the GPU)
-                    engine = self.engine_for(policy, max(len(r.prompt_ids) for r in todo),
-                                             max(1, max(r.params.max_new_tokens for r in todo)),
-                                             need=self.adapter_need(policy.block_size, todo))
+                    per_block = self.stage_policy(policy).block_size - spare * policy.gpu_batch_size
+                    engine = self.engine_for(policy, max(len(r.prompt_ids) for r in todo) if not spare else
+                                             max(rider.max_len, *(len(r.prompt_ids) for r in todo)),
+                                             max(1, max(r.params.max_new_tokens for r in todo)), training=bool(spare),
+                                             need=self.adapter_need(per_block, todo, rider.adapters if spare else ()))
                     engine.adapters = self.adapter_pool()
-                    for block in plan_blocks(todo, self.stage_policy(policy).block_size):
-                        comps, st = run_block(engine, self.tokenizer, block, self.seed, prompt_logprobs, on_logits)
+                    for block in plan_blocks(todo, per_block):
+                        comps, st = run_block(engine, self.tokenizer, block, self.seed, prompt_logprobs, on_logits,
+                                              rider if spare else None)
                         st.peak_bytes = engine.peaks()
                         if link is not None:  # the last stage sampled them
                             comps, st = link.results((comps, st))

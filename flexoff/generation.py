@@ -11,11 +11,11 @@ Does not know: placement or the schedule (the engine's), model math.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from flexoff.offload.engine import BatchInput, Engine
+from flexoff.offload.engine import BatchInput, Engine, TrainResult
 from flexoff.sampling import BlockSampler, SamplingParams, TokenLogprobs, row_seed
 from flexoff.tokenizer import Tokenizer
 
@@ -177,14 +177,26 @@ class _Row:
                           len(self.req.prompt_ids), prompt_lp, self.req.sample, lp)
 
 
+class Rider(Protocol):
+    """Training windows that ride on inference blocks (co-serving, flexoff.finetune.coserve)."""
+
+    def window_len(self) -> int: ...  # the tokens its next windows need (0: none are waiting)
+    def windows(self, length: int, room: int, gbs: int) -> list[BatchInput]: ...  # up to room batches
+    def done(self, result: TrainResult) -> None: ...  # the block's loss and gradients of its windows
+
+
 def run_block(engine: Engine, tokenizer: Tokenizer, block: list[Request], job_seed: int,
               prompt_logprobs: bool = False,
-              on_logits: Callable[[int, list[str], torch.Tensor], None] | None = None
-              ) -> tuple[list[Completion], RunStats]:
-    """Generate the completions of one block of requests."""
+              on_logits: Callable[[int, list[str], torch.Tensor], None] | None = None,
+              rider: Rider | None = None) -> tuple[list[Completion], RunStats]:
+    """Generate the completions of one block of requests; a rider's training windows fill the
+    block's spare GPU batches (every batch padded to the longer of the prompts and windows)."""
     gbs = engine.policy.gpu_batch_size
     batches = [block[i:i + gbs] for i in range(0, len(block), gbs)]
     S = max(len(r.prompt_ids) for r in block)
+    room = engine.policy.num_gpu_batches - len(batches)
+    if rider is not None and room > 0:
+        S = max(S, min(rider.window_len(), engine.max_prompt))
     gen_len = max(1, max(r.params.max_new_tokens for r in block))
     rows = [[_Row(r, tokenizer) for r in b] for b in batches]
     chooser = BlockSampler([[r.params for r in b] for b in batches],
@@ -207,7 +219,11 @@ def run_block(engine: Engine, tokenizer: Tokenizer, block: list[Request], job_se
     inputs = [pad_left([r.prompt_ids for r in b], S) for b in batches]
     for inp, b in zip(inputs, batches):
         inp.adapters = [r.adapter for r in b] if any(r.adapter for r in b) else None
-    res = engine.run_block(inputs, gen_len, sampler, on_tokens, prompt_logprobs)
+    windows = rider.windows(S, room, gbs) if rider is not None and room > 0 else []
+    res = engine.run_block(inputs + windows, gen_len, sampler, on_tokens, prompt_logprobs)
+    if windows:
+        assert rider is not None and res.train is not None
+        rider.done(res.train)
     out = []
     for k, brows in enumerate(rows):
         lp = res.prompt_logprobs[k] if prompt_logprobs else None

@@ -38,13 +38,24 @@ class BatchInput:
 
 
 @dataclass
+class TrainResult:
+    loss: float  # the step's loss: summed over labelled tokens, divided by their count
+    tokens: int  # labelled tokens
+    input_grads: list[torch.Tensor]  # per batch: d loss / d (the embedding's output), (n, s, hidden)
+    # per adapted (layer, matmul), per adapter: d loss / d (its A, and its B transposed)
+    lora_grads: dict[tuple[int, str], dict[str, list[torch.Tensor]]] = field(default_factory=dict)
+    batch_losses: list[float] = field(default_factory=list)  # each batch's part of `loss`
+
+
+@dataclass
 class BlockResult:
-    prefill_s: float
-    decode_s: float
+    prefill_s: float  # the first sweep (with co-served training windows, their forward too)
+    decode_s: float  # the rest (with training windows, their reverse sweep first)
     steps: int  # token steps run (the first is the prefill)
     prompt_logprobs: list[torch.Tensor | None] = field(default_factory=list)  # per batch (n, s-1)
     traffic_prefill: dict[str, int] = field(default_factory=dict)  # bytes moved by path, and read by CPU attention
     traffic_decode: dict[str, int] = field(default_factory=dict)
+    train: TrainResult | None = None  # the block's training windows (co-served), if any
 
 
 class BatchAdapters(NamedTuple):
@@ -173,7 +184,8 @@ class BlockRun:
         pin = engine.device.type == "cuda"
         self.states = [BatchState(b, gen_len, engine.device, pin) for b in batches]
         self.tasks = tasks
-        self.training = any(b.labels is not None for b in batches)
+        self.trains = [b.labels is not None for b in batches]  # per batch: a training window
+        self.training = any(self.trains)
         pool = engine.adapters if any(b.adapters for b in batches) else None
         engine.weights.adapters = None
         if pool is not None:  # the block's adapters on the device (resident) or paged with the weights

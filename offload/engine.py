@@ -20,7 +20,6 @@ import os
 import resource
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
@@ -30,7 +29,7 @@ from flexoff.models.spec import ModelSpec
 from flexoff.offload.activations import HiddenStore, Stash, keeps_graphs
 from flexoff.offload.adapters import AdapterPool, Need
 from flexoff.offload.block import (IGNORE, BatchInput, BlockResult, BlockRun, Clock, LossTask, OnTokens,
-                                   Sampler, SampleTask)
+                                   Sampler, SampleTask, TrainResult)
 from flexoff.offload.host_io import HostIO
 from flexoff.offload.kvcache import KVCodec, KVStore, PlainKV
 from flexoff.offload.lanes import Lanes
@@ -63,15 +62,6 @@ def cpu_attention_threads() -> int:
     shares a core with them waits for its slowest member at every operation)."""
     env = os.environ.get("FLEXOFF_CPU_THREADS")
     return max(1, int(env) if env else torch.get_num_threads() * 3 // 4)
-
-
-@dataclass
-class TrainResult:
-    loss: float  # the step's loss: summed over labelled tokens, divided by their count
-    tokens: int  # labelled tokens
-    input_grads: list[torch.Tensor]  # per batch: d loss / d (the embedding's output), (n, s, hidden)
-    # per adapted (layer, matmul), per adapter: d loss / d (its A, and its B transposed)
-    lora_grads: dict[tuple[int, str], dict[str, list[torch.Tensor]]] = field(default_factory=dict)
 
 
 class Engine:
@@ -193,18 +183,32 @@ class Engine:
 
     def run_block(self, batches: list[BatchInput], gen_len: int, sampler: Sampler, on_tokens: OnTokens,
                   prompt_logprobs: bool = False) -> BlockResult:
-        """Generate up to gen_len tokens for every sequence of a block of GPU batches."""
+        """Generate up to gen_len tokens for every sequence of a block of GPU batches.
+
+        Batches with labels, after the others, are training windows served in the same block
+        (co-serving; an engine made with training=True): their forward runs in the prefill's
+        sweep on the same weight loads, their reverse sweep follows it, then the other batches
+        decode; result.train holds their loss and LoRA gradients (as run_train's)."""
         self._check_block(batches, gen_len)
         assert gen_len >= 1
+        train = tuple(k for k, b in enumerate(batches) if b.labels is not None)
+        infer = tuple(k for k, b in enumerate(batches) if b.labels is None)
+        assert all(k > max(infer, default=-1) for k in train), "training windows come after inference batches"
+        if train and (self.stash is None or self.pipe is not None):
+            raise RuntimeError("internal: co-served training needs an engine made with training=True, no pipeline")
         pipe = self.pipe
         if pipe is not None and not pipe.last:  # the last stage samples the tokens and sees them
             on_tokens = lambda i, tokens: False  # noqa: E731
-        with self._host_settings(), torch.inference_mode():
-            run = BlockRun(self, batches, gen_len, [SampleTask(sampler, k, prompt_logprobs)
-                                                     for k in range(len(batches))])
-            clock = Clock(self, run.states, on_tokens)
+        losses, tokens = self._loss_tasks([batches[k] for k in train])
+        with self._host_settings(), torch.no_grad() if train else torch.inference_mode():
+            run = BlockRun(self, batches, gen_len, [SampleTask(sampler, k, prompt_logprobs) for k in infer] + losses)
+            clock = Clock(self, [run.states[k] for k in infer], on_tokens)
             lean = self.lean is not None and gen_len > 1
-            if pipe is None:
+            if train:  # the windows' reverse sweep right after the prefill; a stop takes effect after it
+                decode = range(1, 1 if lean else gen_len)  # the lean path decodes on its own
+                sweeps = [Sweep(0), Sweep(0, True, train)] + [Sweep(i, False, infer) for i in decode]
+                done = lambda i: clock.token_step_done(i) and i >= 1  # noqa: E731
+            elif pipe is None:
                 sweeps, done = forward_sweeps(1 if lean else gen_len), clock.token_step_done
             else:  # every stage runs every token step: a stop seen by the last alone would hang the others
                 sweeps = forward_sweeps(gen_len, batch_groups(len(batches), pipe.stages))
@@ -214,11 +218,23 @@ class Engine:
                 if pipe is not None:
                     pipe.drain()
                 if lean and not clock.stop:
-                    self.lean.decode(run, gen_len, clock)
-                return clock.finish()
+                    self.lean.decode(run, gen_len, clock, infer)
+                result = clock.finish()
             finally:
                 self.hidden.clear()
                 self.kv.reset()
+                if self.stash is not None:
+                    self.stash.clear()
+        if train:
+            parts = [float(t.loss) for t in losses]
+            result.train = TrainResult(sum(parts), tokens, [run.grads[k] for k in train], run.lora_grads, parts)
+        return result
+
+    def _loss_tasks(self, batches: Sequence[BatchInput]) -> tuple[list[LossTask], int]:
+        """The head tasks of training windows: each batch's summed loss over all their labelled
+        tokens (so the batches' gradients add up to the mean's), and that count."""
+        tokens = int(sum(int((b.labels != IGNORE).sum()) for b in batches))
+        return [LossTask(b.labels.to(self.device), 1.0 / max(1, tokens)) for b in batches], tokens
 
     def run_train(self, batches: list[BatchInput]) -> TrainResult:
         """One training window per batch (its whole sequence): a forward sweep that stashes each
@@ -228,8 +244,7 @@ class Engine:
             raise RuntimeError("internal: this engine was not made for training (training=True, no pipeline)")
         self._check_block(batches, 0)
         assert all(b.labels is not None for b in batches)
-        tokens = int(sum(int((b.labels != IGNORE).sum()) for b in batches))
-        tasks = [LossTask(b.labels.to(self.device), 1.0 / max(1, tokens)) for b in batches]
+        tasks, tokens = self._loss_tasks(batches)
         with self._host_settings(), torch.no_grad():
             run = BlockRun(self, batches, 0, list(tasks))
             try:
@@ -269,7 +284,7 @@ class Engine:
             if not p.overlap:
                 run.finish_where(lambda c: True)
                 self.lanes.sync()
-            if plan.ends and sweep_done(step.i):
+            if plan.ends and not step.backward and sweep_done(step.i):
                 break
         run.finish_where(lambda c: True)
 

@@ -92,7 +92,7 @@ class LayerOp:
         w, deps = self._weights(run, step.k)
         h, hdeps = e.hidden.take(step.k, self.j)
         e.lanes.compute.wait(deps + hdeps)
-        if run.training and not (e.keep_graphs and self.graphs):
+        if run.trains[step.k] and not (e.keep_graphs and self.graphs):
             e.stash.put((self.j, step.k), h, step.i, e.lanes.compute.mark())
         return w, h
 
@@ -126,7 +126,7 @@ class LayerOp:
 
     def forward(self, run: BlockRun, step: Step) -> None:
         w, h = self._inputs(run, step)
-        self._output(step, self._train(run, step, w, h) if run.training else self.compute(run, step, w, h))
+        self._output(step, self._train(run, step, w, h) if run.trains[step.k] else self.compute(run, step, w, h))
 
     def backward(self, run: BlockRun, step: Step) -> None:
         """run.grads[k] is d loss / d (this layer's output); leaves d loss / d (its input)."""
@@ -181,7 +181,7 @@ class EmbedOp(LayerOp):
         st = run.states[step.k]
         if self.e.pipe is not None and step.i >= 1:  # the tokens come back from the pipeline's last stage
             self.e.pipe.recv_tokens(st.tokens[step.i - 1])
-        ids, pos = st.inputs(step.i if not run.training else 0)
+        ids, pos = st.inputs(step.i if not run.trains[step.k] else 0)
         self._output(step, self.e.fam.embed(w, ids, pos))
 
     def backward(self, run: BlockRun, step: Step) -> None:
@@ -228,7 +228,7 @@ class AttnOp(LayerOp):
         self.li = engine.kv.layer_index[j]
 
     def load(self, run: BlockRun, prev: Step, step: Step) -> None:
-        if not step.backward and step.i >= 1 and not run.training:
+        if not step.backward and step.i >= 1 and not run.trains[step.k]:
             st = run.states[step.k]
             self.e.kv.load(self.li, step.k, st.n, st.S + step.i - 1)
         super().load(run, prev, step)
@@ -247,10 +247,10 @@ class AttnOp(LayerOp):
         return fam.attn_out(w, h, decode_attention(q, *codec.read(buf, ls.n, ls.T), ls.mask, fam.scale))
 
     def forward(self, run: BlockRun, step: Step) -> None:
-        if step.i >= 1 and not run.training:  # a CPU attention call takes the next buffer set
+        if step.i >= 1 and not run.trains[step.k]:  # a CPU attention call takes the next buffer set
             run.finish_where(lambda c: c.buffers == self.e.host_io.next)
         w, h = self._inputs(run, step)
-        if run.training:
+        if run.trains[step.k]:
             self._output(step, self._train(run, step, w, h))
             return
         cont = self._attention(run, step, w, h)

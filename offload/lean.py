@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -108,15 +108,19 @@ class LeanDecoder:
         return (all(s.resident for s in w.splits) and kv.split["gpu"] == sum(kv.split.values())
                 and engine.hidden.all_gpu and type(kv.codec) is PlainKV)
 
-    def decode(self, run: BlockRun, gen_len: int, clock: Clock) -> None:
-        """Token steps 1 .. gen_len - 1 of a block whose prefill has run (step 0's tokens sampled)."""
+    def decode(self, run: BlockRun, gen_len: int, clock: Clock, ks: Sequence[int] | None = None) -> None:
+        """Token steps 1 .. gen_len - 1 of a block whose prefill has run (step 0's tokens sampled),
+        for its batches `ks` (default: all; a co-served block's training windows decode nothing)."""
         e = self.engine
+        ks = range(len(run.states)) if ks is None else ks
         S, T = run.states[0].S, self.T
         for li in range(len(e.spec.attn_layers)):  # positions beyond the prompt: zeros, not stale values
-            for k, st in enumerate(run.states):
+            for k in ks:
+                st = run.states[k]
                 e.kv.homes[li][k]["gpu"].buf[:T * st.n * e.kv.codec.rec_bytes].view(T, -1)[S:].zero_()
         batches = []
-        for k, st in enumerate(run.states):
+        for k in ks:
+            st = run.states[k]
             ada = run.adapters[k].ids if run.adapters[k] else None
             # a batch with adapters has its own graph, reading the pool's buffers of now
             key = (k, st.n, e.adapters.version if ada is not None else None)
@@ -125,7 +129,8 @@ class LeanDecoder:
             batches.append(self.batches[key])
             batches[-1].load(st, ada)
         for i in range(1, gen_len):
-            for b, st, task in zip(batches, run.states, run.tasks):
+            for b, k in zip(batches, ks):
+                st, task = run.states[k], run.tasks[k]
                 b.ids.copy_(st.tokens[i - 1][:, None])
                 b.t.fill_(S + i - 1)
                 if self.graphs and not self.failed and b.graph is None:

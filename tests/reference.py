@@ -87,6 +87,31 @@ def train_batches(gbs: int, prompts: list[list[int]]) -> list[Any]:
     return out
 
 
+def hf_input_grads(hf: Any, family: str, batches: list[Any]) -> tuple[float, list[torch.Tensor]]:
+    """transformers in float64: the mean loss over labelled tokens and its gradient with respect to
+    the embedding's output (token embeddings, plus OPT's learned positions)."""
+    from flexoff.offload.block import IGNORE
+
+    hf = hf.double()
+    total = sum(int((b.labels != IGNORE).sum()) for b in batches)
+    loss_sum, grads = 0.0, []
+    for b in batches:
+        mask = b.valid.long()
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        emb = hf.get_input_embeddings()(b.ids).detach()
+        # OPT adds its learned positions inside: x is their sum, and OPT is handed x less them
+        pos_emb = hf.model.decoder.embed_positions(mask, position_ids=pos).detach() if family == "opt" else 0
+        x = (emb + pos_emb).requires_grad_(True)
+        out = hf(inputs_embeds=x - pos_emb, attention_mask=mask, position_ids=pos)
+        loss = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), b.labels.flatten(),
+                                                 ignore_index=IGNORE, reduction="sum") / total
+        (g,) = torch.autograd.grad(loss, x)
+        loss_sum += float(loss.detach())
+        grads.append(g)
+    hf.float()
+    return loss_sum, grads
+
+
 def save_in_hf_cache(folder: Path, cache: Path, repo_id: str) -> Path:
     """Copy a checkpoint folder into a Hugging Face cache as repo_id's main revision (the layout
     huggingface_hub reads offline: models--ORG--NAME/refs/main and snapshots/REVISION/)."""

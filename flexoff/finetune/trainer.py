@@ -63,6 +63,11 @@ def lr_factor(cfg: TrainConfig, step: int) -> float:
     return 1.0 - done if cfg.schedule == "linear" else 0.5 * (1 + math.cos(math.pi * done))
 
 
+def labelled(examples: Sequence[Example]) -> int:
+    """Tokens that carry a loss (each example's first token never does: nothing predicts it)."""
+    return sum(sum(e.loss[1:]) for e in examples)
+
+
 def batch_input(examples: Sequence[Example], adapter: str, length: int | None = None) -> BatchInput:
     """Rows left-padded to `length` (default: the longest) with next-token labels where the loss
     mask says, all on one adapter."""
@@ -99,9 +104,17 @@ class LoraTrainer:
                                      fused=True)  # one kernel for all the adapter's tensors
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(cfg, s))
         self.steps_done = 0
+        self._grads: list[torch.Tensor] | None = None  # the step being gathered: A, B of each key in turn
+        self._loss = 0.0
 
     def step(self, examples: Sequence[Example]) -> float:
         """One optimizer step on these examples; the step's mean loss before the update."""
+        self.gather(examples, labelled(examples))
+        return self.apply()
+
+    def gather(self, examples: Sequence[Example], tokens: int) -> None:
+        """Run these examples through the engine (as many blocks as they need) and gather their
+        gradients and loss into the step, as parts of a step of `tokens` labelled tokens."""
         llm = self.llm
         max_len = max(self.max_len, *(len(e.ids) for e in examples))
         policy = llm.choose_policy_for_training(min(len(examples), self.cfg.batch_size), max_len, self.name)
@@ -110,37 +123,41 @@ class LoraTrainer:
         engine = llm.engine_for(policy, max_len, 1, training=True, need=pool.need([[self.name]]))
         engine.adapters = pool
         gbs, per_block = policy.gpu_batch_size, min(policy.block_size, self.cfg.batch_size)
-        tokens = sum(sum(e.loss[1:]) for e in examples)
-        loss = 0.0
-        keys = list(self.params)
-        grads: list[torch.Tensor] | None = None  # A, B of each key in turn, float32
         for b0 in range(0, len(examples), per_block):
             chunk = examples[b0:b0 + per_block]
             S = max(len(e.ids) for e in chunk)  # one padded length for the block's GPU batches
-            batches = [batch_input(chunk[i:i + gbs], self.name, S) for i in range(0, len(chunk), gbs)]
-            res = engine.run_train(batches)
-            share = res.tokens / tokens  # this block's losses were averaged over its own tokens
-            loss += res.loss * share
-            got = []
-            for key in keys:
-                per = res.lora_grads.get(key, {}).get(self.name)  # d loss / d (A, B transposed)
-                got += [per[0].float(), per[1].t().float().contiguous()] if per is not None else \
-                    [torch.zeros_like(t) for t in self.params[key]]
-            if grads is None:
-                grads = torch._foreach_mul(got, share)
-            else:
-                torch._foreach_add_(grads, got, alpha=share)
-        assert grads is not None
-        for n, key in enumerate(keys):
-            a, b = self.params[key]
-            a.grad, b.grad = grads[2 * n], grads[2 * n + 1]
+            res = engine.run_train([batch_input(chunk[i:i + gbs], self.name, S) for i in range(0, len(chunk), gbs)])
+            # this block's losses were averaged over its own tokens
+            self.accumulate(res.lora_grads, res.loss, res.tokens / tokens)
+
+    def accumulate(self, lora_grads: dict[tuple[int, str], dict[str, list[torch.Tensor]]], loss: float,
+                   weight: float) -> None:
+        """Add a block's gradients (the engine's, for this adapter) and loss, times `weight`, to
+        the step being gathered."""
+        got = []
+        for key in self.params:
+            per = lora_grads.get(key, {}).get(self.name)  # d loss / d (A, B transposed)
+            got += [per[0].float(), per[1].t().float().contiguous()] if per is not None else \
+                [torch.zeros_like(t) for t in self.params[key]]
+        if self._grads is None:
+            self._grads = torch._foreach_mul(got, weight)
+        else:
+            torch._foreach_add_(self._grads, got, alpha=weight)
+        self._loss += loss * weight
+
+    def apply(self) -> float:
+        """The optimizer step on the gathered gradients; the step's loss."""
+        assert self._grads is not None, "no gradients gathered for this step"
+        for n, (a, b) in enumerate(self.params.values()):
+            a.grad, b.grad = self._grads[2 * n], self._grads[2 * n + 1]
         if self.cfg.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_([t for ab in self.params.values() for t in ab], self.cfg.max_grad_norm)
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)
-        pool.refresh(self.name)  # the device copies follow the master weights
+        self.llm.adapter_pool().refresh(self.name)  # the device copies follow the master weights
         self.steps_done += 1
+        loss, self._grads, self._loss = self._loss, None, 0.0
         return loss
 
     def eval_loss(self, examples: Sequence[Example]) -> float:

@@ -11,7 +11,7 @@ from flexoff.offload.block import IGNORE, BatchInput
 from flexoff.offload.engine import Engine
 from flexoff.offload.schedule import Step, block_plan, training_sweeps
 from flexoff.offload.weights import WeightStore
-from reference import PROMPTS, train_batches
+from reference import PROMPTS, hf_input_grads, train_batches
 
 
 def test_a_reverse_sweep_visits_layers_downwards_and_stages_the_ones_below():
@@ -28,29 +28,6 @@ def test_a_reverse_sweep_visits_layers_downwards_and_stages_the_ones_below():
         assert staged[(j, True)] == tuple(range(j - 1, max(-1, j - 3), -1))
     assert all(p.stage == () for p in plans if p.step.k != 1)
     assert [p.next for p in plans] == [p.step for p in plans[1:]] + [None]
-
-
-def _hf_grads(hf, family: str, batches: list[BatchInput]) -> tuple[float, list[torch.Tensor]]:
-    """transformers in float64: the mean loss over labelled tokens and its gradient with respect to
-    the embedding's output (token embeddings, plus OPT's learned positions)."""
-    hf = hf.double()
-    total = sum(int((b.labels != IGNORE).sum()) for b in batches)
-    loss_sum, grads = 0.0, []
-    for b in batches:
-        mask = b.valid.long()
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        emb = hf.get_input_embeddings()(b.ids).detach()
-        # OPT adds its learned positions inside: x is their sum, and OPT is handed x less them
-        pos_emb = hf.model.decoder.embed_positions(mask, position_ids=pos).detach() if family == "opt" else 0
-        x = (emb + pos_emb).requires_grad_(True)
-        out = hf(inputs_embeds=x - pos_emb, attention_mask=mask, position_ids=pos)
-        loss = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), b.labels.flatten(),
-                                                 ignore_index=IGNORE, reduction="sum") / total
-        (g,) = torch.autograd.grad(loss, x)
-        loss_sum += float(loss.detach())
-        grads.append(g)
-    hf.float()
-    return loss_sum, grads
 
 
 TRAIN_POLICIES = [
@@ -71,7 +48,7 @@ def test_training_sweep_gradients_equal_float64_autograd_through_transformers(ti
         m = llm.model
         for policy in TRAIN_POLICIES:
             batches = train_batches(policy.gpu_batch_size, prompts)
-            want_loss, want = _hf_grads(tiny[name].hf, name, batches)
+            want_loss, want = hf_input_grads(tiny[name].hf, name, batches)
             e = Engine(m.family, m.spec, policy, device=torch.device("cpu"), dtype=torch.float64,
                        max_prompt=16, max_gen=1, training=True, offload_dir=None)
             try:

@@ -1,0 +1,129 @@
+"""Co-serving: LoRA finetuning jobs whose training windows ride on inference blocks.
+
+Knows: one or more jobs (each a LoraTrainer on its own adapter, its examples and its data
+order: epochs shuffled by its seed, as `flexoff finetune` orders them), a job's optimizer step
+gathered over the blocks that carried its examples (each block's gradients weighted so the step
+is the mean over all of the step's labelled tokens, as a standalone step), the windows a block
+takes (whole GPU batches of one job each, in turn, examples no longer than the block's padded
+length), and finishing the steps the inference blocks left over with standalone steps.
+Does not know: which requests are in a block (flexoff.generation), the engine's sweeps
+(offload.engine.run_block co-serves a block's windows).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from flexoff.finetune.data import Example
+from flexoff.finetune.trainer import LoraTrainer, batch_input, labelled
+from flexoff.offload.block import BatchInput, TrainResult
+
+
+@dataclass
+class CoJob:
+    """One finetuning job: its trainer (adapter, optimizer), examples, steps and data order."""
+    trainer: LoraTrainer
+    examples: Sequence[Example]
+    steps: int
+    seed: int = 0
+    losses: list[float] = field(default_factory=list)  # each finished step's loss
+    order: list[int] = field(default_factory=list)  # example indices not yet drawn
+    todo: list[Example] = field(default_factory=list)  # the current step's examples not yet sent
+    tokens: int = 0  # the current step's labelled tokens
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+
+    @property
+    def name(self) -> str:
+        return self.trainer.name
+
+    @property
+    def finished(self) -> bool:
+        return len(self.losses) >= self.steps
+
+    def draw(self) -> None:
+        """The next step's examples (epochs of the data, each in a new shuffled order)."""
+        per = self.trainer.cfg.per_step
+        while len(self.order) < per:
+            epoch = list(range(len(self.examples)))
+            self.rng.shuffle(epoch)
+            self.order += epoch
+        self.todo = [self.examples[i] for i in self.order[:per]]
+        del self.order[:per]
+        self.tokens = labelled(self.todo)
+
+
+class CoTrainer:
+    """The rider of LLM.generate: hands blocks training windows and gathers their gradients."""
+
+    def __init__(self, jobs: Sequence[CoJob], batches: int = 1):
+        """batches: GPU batches of every inference block given to training windows."""
+        self.jobs, self.batches = list(jobs), batches
+        for job in self.jobs:
+            if not job.finished:
+                job.draw()
+        self._turn = 0
+        self._inflight: list[tuple[CoJob, int]] = []  # per window batch of the running block: job, examples
+
+    @property
+    def adapters(self) -> list[str]:
+        return [j.name for j in self.jobs]
+
+    @property
+    def max_len(self) -> int:
+        """The longest example of any job: blocks must have room for it."""
+        return max((len(e.ids) for j in self.jobs for e in j.examples), default=0)
+
+    def window_len(self) -> int:
+        return max((len(e.ids) for j in self.jobs if not j.finished for e in j.todo), default=0)
+
+    def windows(self, length: int, room: int, gbs: int) -> list[BatchInput]:
+        """Up to `room` GPU batches of the jobs' waiting examples that fit `length` tokens, one job
+        per batch, jobs in turn."""
+        out: list[BatchInput] = []
+        self._inflight = []
+        for _ in range(len(self.jobs) * room):
+            if len(out) >= room:
+                break
+            job = self.jobs[self._turn % len(self.jobs)]
+            self._turn += 1
+            if job.finished:
+                continue
+            fit = [e for e in job.todo if len(e.ids) <= length][:gbs]
+            if not fit:
+                continue
+            for e in fit:
+                job.todo.remove(e)
+            out.append(batch_input(fit, job.name, length))
+            self._inflight.append((job, len(fit)))
+        return out
+
+    def done(self, result: TrainResult) -> None:
+        """The block's windows ran: each job gathers its part (the block's losses were averaged
+        over all its windows' tokens; a job's step averages over its own), and takes its
+        optimizer step once all of its step's examples are in."""
+        mine: dict[str, float] = {}
+        for (job, _), part in zip(self._inflight, result.batch_losses):
+            mine[job.name] = mine.get(job.name, 0.0) + part
+        for job in {j.name: j for j, _ in self._inflight}.values():
+            job.trainer.accumulate(result.lora_grads, mine[job.name], result.tokens / job.tokens)
+            if not job.todo:
+                self._step(job)
+        self._inflight = []
+
+    def _step(self, job: CoJob) -> None:
+        job.losses.append(job.trainer.apply())
+        if not job.finished:
+            job.draw()
+
+    def finish(self) -> None:
+        """The steps no inference block carried, standalone, in the same data order (a step that
+        blocks began gathers its remaining examples alone, as parts of the same mean)."""
+        for job in self.jobs:
+            while not job.finished:
+                job.trainer.gather(job.todo, job.tokens)
+                job.todo = []
+                self._step(job)
