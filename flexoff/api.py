@@ -336,7 +336,7 @@ class LLM:
         return Policy.load(p) if p else Policy(gpu_batch_size=max(1, min(DEFAULT_BATCH, n)))
 
     def engine_for(self, policy: Policy, max_prompt: int, max_gen: int, training: bool = False,
-                   need: Need = Need()) -> Engine:
+                   need: Need = Need(), windows: int | None = None) -> Engine:
         """An engine for this policy and these sizes (and room for `need` of LoRA adapters): the
         current one while it fits (a training engine runs inference blocks too: finetuning's eval
         loss), else a new one whose weights the residency keeps, moves or
@@ -344,8 +344,10 @@ class LLM:
         from flexoff.quant.engine import formats
 
         e = self.engine
+        trains = not training or e is not None and e.training and (
+            e.windows is None or windows is not None and e.windows >= windows)  # room for the windows' stash
         if e is not None and e.policy == policy and e.max_prompt >= max_prompt and e.max_gen >= max_gen \
-                and (e.training or not training) and all(a >= b for a, b in zip(astuple(e.adapter_need), astuple(need))):
+                and trains and all(a >= b for a, b in zip(astuple(e.adapter_need), astuple(need))):
             return e
         if e is not None:
             e.close()
@@ -366,7 +368,8 @@ class LLM:
         # a checkpoint is read into CPU memory; dummy weights are made where they go
         read_dev = self.device if m.name.startswith("dummy:") else torch.device("cpu")
         self.engine = self.residency.engine(self.stage_policy(policy), fmt, codec, max_prompt, max_gen, read,
-                                            read_dev, self.progress, need, self.adapter_host_bytes(), training)
+                                            read_dev, self.progress, need, self.adapter_host_bytes(), training,
+                                            windows)
         return self.engine
 
     def stage_policy(self, policy: Policy) -> Policy:
@@ -452,7 +455,8 @@ class LLM:
                     engine = self.engine_for(policy, max(len(r.prompt_ids) for r in todo) if not spare else
                                              max(rider.max_len, *(len(r.prompt_ids) for r in todo)),
                                              max(1, max(r.params.max_new_tokens for r in todo)), training=bool(spare),
-                                             need=self.adapter_need(per_block, todo, rider.adapters if spare else ()))
+                                             need=self.adapter_need(per_block, todo, rider.adapters if spare else ()),
+                                             windows=spare or None)
                     engine.adapters = self.adapter_pool()
                     for block in plan_blocks(todo, per_block):
                         comps, st = run_block(engine, self.tokenizer, block, self.seed, prompt_logprobs, on_logits,

@@ -164,6 +164,10 @@ def cli() -> None:
               help="A folder whose subfolders are PEFT adapters, each named after its subfolder.")
 @click.option("--default-adapter", default=None, help="The adapter of lines that name none.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--finetune", "finetune_jobs", multiple=True, metavar="JOB.yaml",
+              help="Co-serve a LoRA finetuning job (YAML or JSON: data, output, lora_r, steps, ...; repeatable).")
+@click.option("--finetune-batches", type=click.IntRange(min=1), default=1, show_default=True,
+              help="GPU batches of every block given to the finetuning jobs' training windows.")
 @click.option("--pipeline-parallel", type=click.IntRange(min=1), default=None,
               help="Pipeline stages, one process and GPU each; outside torchrun, starts N workers on this "
                    "host. Under torchrun: stages per replica (default: the host's processes).")
@@ -173,6 +177,7 @@ def run(model: str | None, input_path: str, output_path: str, max_new_tokens: in
         logprobs: int | None, min_tokens: int, ignore_eos: bool, repetition_penalty: float, presence_penalty: float,
         frequency_penalty: float, chat: bool, input_format: str, dtype: str, device: str,
         allow_pickle: bool, loras: tuple[str, ...], lora_dir: str | None, default_adapter: str | None, quiet: bool,
+        finetune_jobs: tuple[str, ...], finetune_batches: int,
         pipeline_parallel: int | None, policy_arg: str | None, percent: Any, gpu_batch_size: Any,
         num_gpu_batches: Any, cpu_cache_compute: Any, no_overlap: Any, compress_weight: Any,
         compress_cache: Any, gpu_mem: Any, cpu_mem: Any, disk_mem: Any, offload_dir: Any, hardware: Any) -> None:
@@ -189,6 +194,23 @@ def run(model: str | None, input_path: str, output_path: str, max_new_tokens: in
     if input_path != "-":
         read_prompts(input_path, chat, input_format)  # fail fast on a bad file, before loading the model
     validate.output_file(output_path, "--output", input_path)
+    if finetune_jobs:
+        if pipeline_parallel is not None or parallel.in_torchrun():
+            raise InputError("--finetune co-serves in one process; drop --pipeline-parallel and torchrun")
+        if policy == "auto":
+            raise InputError("--finetune does not plan with --policy auto yet; give the policy flags "
+                             "(--num-gpu-batches above --finetune-batches)")
+        from flexoff.finetune.jobfile import read_job
+
+        specs = [read_job(path) for path in finetune_jobs]  # every file checked before the model loads
+        names = [n for n, _ in specs]
+        clash = sorted({n for n in names if names.count(n) > 1} | set(names) & set(adapter_paths(loras, lora_dir)))
+        if clash:
+            raise InputError(f"--finetune: the adapter name {clash[0]!r} is taken twice (give the job a 'name')")
+        if policy is None:  # the default: a block of inference batches plus the windows' batches
+            from flexoff.policy.policy import Policy
+
+            policy = Policy(gpu_batch_size=8, num_gpu_batches=1 + finetune_batches)
     if pipeline_parallel is not None and not parallel.in_torchrun():
         if input_path == "-":
             raise InputError("--pipeline-parallel reads --input from a file; give its path")
@@ -201,7 +223,11 @@ def run(model: str | None, input_path: str, output_path: str, max_new_tokens: in
                   compression=("on" if compress_weight else "off", "on" if compress_cache else "off"),
                   lora=adapter_paths(loras, lora_dir), default_adapter=default_adapter, world=world)
         try:
-            res = run_job(llm, input_path, output_path, defaults, chat, input_format)
+            if finetune_jobs:
+                res, trained = _coserve(llm, specs, finetune_batches, quiet, input_path, output_path, defaults, chat,
+                                        input_format)
+            else:
+                res, trained = run_job(llm, input_path, output_path, defaults, chat, input_format), []
         finally:
             llm.close()
     finally:
@@ -220,6 +246,27 @@ def run(model: str | None, input_path: str, output_path: str, max_new_tokens: in
         click.echo(f"{where}policy: {llm.last_policy.describe()}", err=True)
     peaks = ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in st.peak_bytes.items())
     click.echo(where + st.summary() + (f"; peak memory {peaks}" if peaks else ""), err=True)
+    for line in trained:
+        click.echo(line, err=True)
+
+
+def _coserve(llm: Any, specs: list[tuple[str, Any]], batches: int, quiet: bool, *job: Any) -> tuple[Any, list[str]]:
+    """The prompts of `job` (run_job's arguments) with the finetuning jobs riding on their blocks,
+    then the jobs' remaining steps; each job's adapter saved in its output folder."""
+    from contextlib import ExitStack
+
+    from flexoff.finetune.coserve import CoTrainer
+    from flexoff.finetune.jobfile import job_summary
+    from flexoff.finetune.run import FinetuneJob
+    from flexoff.jobs import run_job
+
+    with ExitStack() as stack:
+        runs = [stack.enter_context(FinetuneJob(llm, spec, name, progress=not quiet, position=1 + i))
+                for i, (name, spec) in enumerate(specs)]
+        rider = CoTrainer([r.job for r in runs], batches)
+        res = run_job(llm, *job, rider=rider)
+        rider.finish()
+    return res, [job_summary(name, r.job.losses, spec.output) for (name, spec), r in zip(specs, runs)]
 
 
 @cli.command()

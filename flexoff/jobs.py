@@ -161,17 +161,18 @@ class JobResult:
 
 
 def run_job(llm: Any, input_path: str, output_path: str, defaults: Any, chat: bool = False,
-            input_format: str = "auto") -> JobResult:
+            input_format: str = "auto", rider: Any = None) -> JobResult:
     """Run every prompt of input_path not yet answered in output_path, holding the output's lock.
     Under torchrun (llm.world) every process runs this: a replica's first stage writes its results
     (the output itself, or with several replicas its shard file, merged into the output at the end
-    and at the start of a rerun); each replica answers the prompts it owns."""
+    and at the start of a rerun); each replica answers the prompts it owns. `rider`: co-served
+    finetuning (LLM.generate's; one process only)."""
     validate.output_file(output_path, "--output", input_path)
     world = getattr(llm, "world", None)
     if world is None or world.size == 1:
         with OutputLock(output_path):
             prompts = read_prompts(input_path, chat, input_format)
-            return _answer(llm, prompts, output_path, answered_ids(output_path), defaults)
+            return _answer(llm, prompts, output_path, answered_ids(output_path), defaults, rider=rider)
     if input_path == "-" or (output_path == "-" and world.replicas > 1):
         raise InputError("several processes read --input from a file and write --output to one; give both paths")
     prompts = read_prompts(input_path, chat, input_format)
@@ -231,7 +232,7 @@ def _merge(output_path: str) -> None:
 
 
 def _answer(llm: Any, prompts: Prompts, path: str | None, done: set[str], defaults: Any,
-            owns: Callable[[str], bool] = lambda rid: True) -> JobResult:
+            owns: Callable[[str], bool] = lambda rid: True, rider: Any = None) -> JobResult:
     """Answer the prompts `owns` picks that are not `done`, appending to `path` (None: nowhere)."""
     writer = ResultWriter(path) if path is not None else None
     write = writer.write if writer is not None else (lambda records: None)
@@ -269,7 +270,7 @@ def _answer(llm: Any, prompts: Prompts, path: str | None, done: set[str], defaul
                     lines.append(line(sorted(pending.pop(c.id), key=lambda x: x.index)))
             write(lines)
 
-        out = llm.generate([], requests=todo, on_block=on_block)
+        out = llm.generate([], requests=todo, on_block=on_block, rider=rider)
     finally:
         if writer is not None:
             writer.close()

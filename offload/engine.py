@@ -75,7 +75,7 @@ class Engine:
                  weights: WeightStore | None = None, credit: dict[str, int] | None = None,
                  moving: list[ByteSplit] | None = None, training: bool = False,
                  cuda_graphs: bool | None = None, adapter_need: Need = Need(), adapter_host_bytes: int = 0,
-                 pipe: PipeLink | None = None):
+                 pipe: PipeLink | None = None, windows: int | None = None):
         self.fam, self.spec, self.policy, self.device, self.dtype = family, spec, policy, device, dtype
         self.max_prompt, self.max_gen = max_prompt, max_gen
         self.fmt = weight_format or PlainFormat(dtype)
@@ -84,9 +84,10 @@ class Engine:
         self.plan: MemoryPlan = plan_memory(spec, layouts, codec.rec_bytes, policy, max_prompt, max_gen,
                                             dtype, device.type == "cuda", training,
                                             adapter_bytes(adapter_need, adapter_host_bytes, layouts, policy, dtype),
-                                            adapter_need.elements if training else 0)
+                                            adapter_need.elements if training else 0, windows)
         self.adapter_need = adapter_need  # the room a block's LoRA adapters have on the compute device
         self.training = training  # made for training sweeps (a stash, or kept graphs)
+        self.windows = windows  # of a block's GPU batches, how many may be training windows (None: all)
         if moving:  # an older store's layers (their splits) move in: each stays until it has moved
             self.plan.add("weights being moved", move_overhead(moving, plan_weights(layouts, policy)))
         # before anything is allocated; `credit` is memory already held that the plan counts
@@ -194,8 +195,9 @@ class Engine:
         train = tuple(k for k, b in enumerate(batches) if b.labels is not None)
         infer = tuple(k for k, b in enumerate(batches) if b.labels is None)
         assert all(k > max(infer, default=-1) for k in train), "training windows come after inference batches"
-        if train and (self.stash is None or self.pipe is not None):
-            raise RuntimeError("internal: co-served training needs an engine made with training=True, no pipeline")
+        if train and (self.stash is None or self.pipe is not None or len(train) > (self.windows or len(batches))):
+            raise RuntimeError("internal: co-served training needs an engine made with training=True (room for "
+                               "its windows), no pipeline")
         pipe = self.pipe
         if pipe is not None and not pipe.last:  # the last stage samples the tokens and sees them
             on_tokens = lambda i, tokens: False  # noqa: E731

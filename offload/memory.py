@@ -54,10 +54,12 @@ class MemoryPlan:
 
 def plan_memory(spec: ModelSpec, layouts: list[Layout], kv_rec_bytes: int, policy: Policy,
                 max_prompt: int, max_gen: int, dtype: torch.dtype, cuda: bool, training: bool = False,
-                adapters: dict[str, int] | None = None, trained: int = 0) -> MemoryPlan:
+                adapters: dict[str, int] | None = None, trained: int = 0, windows: int | None = None) -> MemoryPlan:
     """What each tier holds for a policy; with `training`, windows of up to max_prompt tokens
     also stash every layer's input for the reverse sweep, and the optimizer holds its copies of
-    the `trained` LoRA parameters; `adapters`: LoRA adapter bytes per tier."""
+    the `trained` LoRA parameters (`windows`: GPU batches of a block that train, if not all: a
+    co-serving block's, whose kept graphs are planned for them only); `adapters`: LoRA adapter
+    bytes per tier."""
     elem = dtype.itemsize
     plan = MemoryPlan()
     plan.add("weights", weight_bytes(plan_weights(layouts, policy), weight_slots(policy.cpu_cache_compute)))
@@ -65,9 +67,10 @@ def plan_memory(spec: ModelSpec, layouts: list[Layout], kv_rec_bytes: int, polic
     plan.add("activations", act_bytes(spec, elem, policy, max_prompt))
     if training:
         splits = plan_weights(layouts, policy)
-        if keeps_graphs(all(s.resident for s in splits), policy):
-            plan.add("kept graphs", {"gpu": graph_bytes(spec, elem, policy, max_prompt)})
-        else:
+        if keeps_graphs(all(s.resident for s in splits), policy):  # made by the windows of a block only
+            share = policy if windows is None else policy.replace(num_gpu_batches=min(windows, policy.num_gpu_batches))
+            plan.add("kept graphs", {"gpu": graph_bytes(spec, elem, share, max_prompt)})
+        else:  # homes off the GPU for every batch of a block (which of them are windows varies)
             plan.add("stash", stash_bytes(spec, elem, policy, max_prompt))
         plan.add("backward working", {"gpu": backward_bytes(spec, elem, policy, max_prompt)})
         if trained:

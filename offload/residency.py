@@ -44,7 +44,7 @@ class Residency:
 
     def engine(self, policy: Policy, fmt: WeightFormat, codec: KVCodec, max_prompt: int, max_gen: int,
                read: ReadLayer, read_device: torch.device, progress: bool = False, adapter_need: Need = Need(),
-               adapter_host_bytes: int = 0, training: bool = False) -> Engine:
+               adapter_host_bytes: int = 0, training: bool = False, windows: int | None = None) -> Engine:
         """A new engine for the policy, its weights kept, moved or read (through `read`, onto
         `read_device`, then placed)."""
         if self.tiers is None:
@@ -64,7 +64,7 @@ class Residency:
                           kv_codec=codec, tiers=self.tiers, weights=old if reuse else None,
                           credit=self._credit(old), moving=old.splits if old is not None and not reuse else None,
                           adapter_need=adapter_need, adapter_host_bytes=adapter_host_bytes, training=training,
-                          pipe=self.pipe)
+                          pipe=self.pipe, windows=windows)
         try:
             engine = build(old)
         except MemoryBudgetError:

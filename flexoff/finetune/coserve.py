@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 from flexoff.finetune.data import Example
 from flexoff.finetune.trainer import LoraTrainer, batch_input, labelled
@@ -28,9 +28,12 @@ class CoJob:
     examples: Sequence[Example]
     steps: int
     seed: int = 0
+    # called after each optimizer step with the job and the step's examples (metrics, checkpoints)
+    on_step: Callable[["CoJob", Sequence[Example]], None] | None = None
     losses: list[float] = field(default_factory=list)  # each finished step's loss
     order: list[int] = field(default_factory=list)  # example indices not yet drawn
-    todo: list[Example] = field(default_factory=list)  # the current step's examples not yet sent
+    drawn: list[Example] = field(default_factory=list)  # the current step's examples
+    todo: list[Example] = field(default_factory=list)  # ... not yet sent
     tokens: int = 0  # the current step's labelled tokens
 
     def __post_init__(self) -> None:
@@ -51,9 +54,26 @@ class CoJob:
             epoch = list(range(len(self.examples)))
             self.rng.shuffle(epoch)
             self.order += epoch
-        self.todo = [self.examples[i] for i in self.order[:per]]
+        self.drawn = [self.examples[i] for i in self.order[:per]]
+        self.todo = list(self.drawn)
         del self.order[:per]
         self.tokens = labelled(self.todo)
+
+    def step_done(self) -> None:
+        """Every example of the step is gathered: the optimizer step, then the next step's draw."""
+        self.losses.append(self.trainer.apply())
+        if self.on_step is not None:
+            self.on_step(self, self.drawn)
+        if not self.finished:
+            self.draw()
+
+    def state(self) -> dict[str, Any]:
+        """The data order and losses at a step boundary (a checkpoint's part beside the trainer's)."""
+        return {"rng": self.rng.getstate(), "order": list(self.order), "losses": list(self.losses)}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.rng.setstate(state["rng"])
+        self.order, self.losses = list(state["order"]), list(state["losses"])
 
 
 class CoTrainer:
@@ -111,13 +131,8 @@ class CoTrainer:
         for job in {j.name: j for j, _ in self._inflight}.values():
             job.trainer.accumulate(result.lora_grads, mine[job.name], result.tokens / job.tokens)
             if not job.todo:
-                self._step(job)
+                job.step_done()
         self._inflight = []
-
-    def _step(self, job: CoJob) -> None:
-        job.losses.append(job.trainer.apply())
-        if not job.finished:
-            job.draw()
 
     def finish(self) -> None:
         """The steps no inference block carried, standalone, in the same data order (a step that
@@ -126,4 +141,4 @@ class CoTrainer:
             while not job.finished:
                 job.trainer.gather(job.todo, job.tokens)
                 job.todo = []
-                self._step(job)
+                job.step_done()

@@ -16,11 +16,10 @@ import hashlib
 import json
 import math
 import os
-import random
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -28,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 from flexoff.errors import InputError
+from flexoff.finetune.coserve import CoJob, CoTrainer
 from flexoff.finetune.data import read_examples
 from flexoff.finetune.trainer import LoraTrainer, TrainConfig
 from flexoff.lock import OutputLock
@@ -73,6 +73,22 @@ def new_adapter(spec: Any, lora: LoraSpec, folder: Path, seed: int) -> None:
     (folder / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
 
 
+@dataclass
+class JobSpec:
+    """One finetuning job as `flexoff finetune`'s flags (or a co-serving job file) give it."""
+    data: str
+    output: str
+    lora: LoraSpec | None = None  # a fresh adapter's shape (None: LoraSpec's defaults)
+    init_adapter: str | None = None  # or start from this PEFT folder
+    steps: int | None = None
+    epochs: float | None = None
+    cfg: TrainConfig = field(default_factory=TrainConfig)
+    max_seq_len: int = 1024
+    seed: int = 0
+    save_every: int = 10
+    eval_data: str | None = None
+
+
 def finetune(llm: Any, data: str, output: str, *, lora: LoraSpec | None = None, init_adapter: str | None = None,
              steps: int | None = None, epochs: float | None = None, cfg: TrainConfig = TrainConfig(),
              max_seq_len: int = 1024, seed: int = 0, progress: bool = True, save_every: int = 10,
@@ -80,28 +96,10 @@ def finetune(llm: Any, data: str, output: str, *, lora: LoraSpec | None = None, 
     """Train a LoRA adapter of llm's model on a JSONL file; the PEFT folder lands in `output`,
     with a checkpoint every `save_every` steps that the same call continues after a kill (and the
     loss on `eval_data`, if given, then and at the end). Returns the loss of every step."""
-    max_len = min(max_seq_len, llm.model.spec.max_positions)
-    examples = read_examples(data, llm.tokenizer, max_len)
-    evals = read_examples(eval_data, llm.tokenizer, max_len) if eval_data is not None else None
-    per_epoch = math.ceil(len(examples) / cfg.per_step)
-    total = steps if steps is not None else max(1, round((epochs or 1.0) * per_epoch))
-    cfg = TrainConfig(**{**cfg.__dict__, "steps": total})
-    out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
-    made = None
-    if init_adapter is None:  # a fresh adapter, in a folder kept until the result is saved
-        made = Path(tempfile.mkdtemp(prefix="flexoff-lora-"))
-        new_adapter(llm.model.spec, lora or LoraSpec(), made, seed)
-        init_adapter = str(made)
-    fingerprint = _fingerprint(data, init_adapter if made is None else None, lora if made is not None else None,
-                               cfg, total, seed, max_seq_len)
-    try:
-        with OutputLock(str(out)):  # one run per output folder
-            return _train(llm, examples, init_adapter, out, cfg, total, seed, progress, save_every, fingerprint,
-                          evals)
-    finally:
-        if made is not None:
-            shutil.rmtree(made, ignore_errors=True)
+    spec = JobSpec(data, output, lora, init_adapter, steps, epochs, cfg, max_seq_len, seed, save_every, eval_data)
+    with FinetuneJob(llm, spec, progress=progress) as job:
+        CoTrainer([job.job]).finish()
+        return job.job.losses
 
 
 CHECKPOINT = "checkpoint.pt"
@@ -132,52 +130,92 @@ def _write_atomic(path: Path, state: dict[str, Any]) -> None:
         os.close(fd)
 
 
-def _train(llm: Any, examples: list[Any], init_adapter: str, out: Path, cfg: TrainConfig, total: int, seed: int,
-           progress: bool, save_every: int, fingerprint: str, evals: list[Any] | None = None) -> list[float]:
-    llm.load_lora("__training__", init_adapter)
-    trainer = LoraTrainer(llm, "__training__", cfg, max(len(e.ids) for e in examples))
-    rng = random.Random(seed)
-    order: list[int] = []
-    losses: list[float] = []
-    metrics: list[dict[str, Any]] = []
-    start = 0
-    ckpt = out / CHECKPOINT
-    if ckpt.exists():  # a rerun: continue where the last checkpoint left off
-        state = torch.load(ckpt, map_location="cpu", weights_only=False)
-        if state.get("fingerprint") != fingerprint:
-            raise InputError(f"{out} holds a checkpoint of another run (other data or settings); "
-                             "use another --output or remove it")
-        trainer.load_state(state["trainer"])
-        rng.setstate(state["rng"])
-        order, losses, metrics, start = state["order"], state["losses"], state["metrics"], state["step"]
-    with open(out / "metrics.jsonl", "w", encoding="utf-8") as mf, \
-            tqdm(total=total, initial=start, desc="finetuning", unit="step", disable=not progress) as bar:
-        mf.writelines(json.dumps(m) + "\n" for m in metrics)  # the steps the checkpoint holds
-        mf.flush()
-        for step in range(start, total):
-            while len(order) < cfg.per_step:  # epochs of the data, each in a new shuffled order
-                epoch = list(range(len(examples)))
-                rng.shuffle(epoch)
-                order += epoch
-            batch = [examples[i] for i in order[:cfg.per_step]]
-            del order[:cfg.per_step]
-            t0 = time.perf_counter()
-            lr = trainer.opt.param_groups[0]["lr"]
-            loss = trainer.step(batch)
-            dt = time.perf_counter() - t0
-            tokens = sum(len(e.ids) for e in batch)
-            losses.append(loss)
-            metrics.append({"step": step + 1, "loss": loss, "lr": lr, "tokens": tokens, "seconds": dt})
-            saving = (step + 1) % save_every == 0 or step + 1 == total
-            if saving and evals:
-                metrics[-1]["eval_loss"] = trainer.eval_loss(evals)
-            mf.write(json.dumps(metrics[-1]) + "\n")
-            mf.flush()
-            bar.update(1)
-            ev = f", eval {metrics[-1]['eval_loss']:.4f}" if "eval_loss" in metrics[-1] else ""
-            bar.set_postfix_str(f"loss {loss:.4f}{ev}, {tokens / dt:.0f} tok/s")
-            if saving:
-                _write_atomic(ckpt, {"fingerprint": fingerprint, "step": step + 1, "trainer": trainer.state(),
-                                     "rng": rng.getstate(), "order": order, "losses": losses, "metrics": metrics})
-    trainer.save(str(out))
-    return losses
+class FinetuneJob:
+    """A finetuning job's run around its CoJob: the adapter loaded under `name` (fresh, or the
+    given one), the output folder's lock, its checkpoint continued, and after every step the
+    metrics line, the progress bar, the eval loss and the checkpoint; the adapter saved when the
+    job's steps are all done. A context manager."""
+
+    def __init__(self, llm: Any, spec: JobSpec, name: str = "__training__", progress: bool = True,
+                 position: int = 0):
+        self.llm, self.spec, self.name = llm, spec, name
+        max_len = min(spec.max_seq_len, llm.model.spec.max_positions)
+        examples = read_examples(spec.data, llm.tokenizer, max_len)
+        self.evals = read_examples(spec.eval_data, llm.tokenizer, max_len) if spec.eval_data is not None else None
+        per_epoch = math.ceil(len(examples) / spec.cfg.per_step)
+        total = spec.steps if spec.steps is not None else max(1, round((spec.epochs or 1.0) * per_epoch))
+        cfg = TrainConfig(**{**spec.cfg.__dict__, "steps": total})
+        self.out = Path(spec.output)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.made: Path | None = None
+        init = spec.init_adapter
+        if init is None:  # a fresh adapter, in a folder kept until the result is saved
+            self.made = Path(tempfile.mkdtemp(prefix="flexoff-lora-"))
+            new_adapter(llm.model.spec, spec.lora or LoraSpec(), self.made, spec.seed)
+            init = str(self.made)
+        self.fingerprint = _fingerprint(spec.data, spec.init_adapter, spec.lora if self.made else None, cfg, total,
+                                        spec.seed, spec.max_seq_len)
+        self.lock = OutputLock(str(self.out))  # one run per output folder
+        self.lock.__enter__()
+        self.metrics: list[dict[str, Any]] = []
+        try:
+            llm.load_lora(name, init)
+            trainer = LoraTrainer(llm, name, cfg, max(len(e.ids) for e in examples))
+            self.job = CoJob(trainer, examples, total, spec.seed, on_step=self._after_step)
+            ckpt = self.out / CHECKPOINT
+            if ckpt.exists():  # a rerun: continue where the last checkpoint left off
+                state = torch.load(ckpt, map_location="cpu", weights_only=False)
+                if state.get("fingerprint") != self.fingerprint:
+                    raise InputError(f"{self.out} holds a checkpoint of another run (other data or settings); "
+                                     "use another output folder or remove it")
+                trainer.load_state(state["trainer"])
+                self.job.load_state(state["job"])
+                self.metrics = state["metrics"]
+            self.mf = open(self.out / "metrics.jsonl", "w", encoding="utf-8")
+            self.mf.writelines(json.dumps(m) + "\n" for m in self.metrics)  # the steps the checkpoint holds
+            self.mf.flush()
+            self.bar = tqdm(total=total, initial=len(self.job.losses), desc=f"finetuning {self.out.name}",
+                            unit="step", disable=not progress, position=position)
+        except BaseException:
+            self._release()
+            raise
+        self.t0 = time.perf_counter()
+
+    def _after_step(self, job: CoJob, examples: Sequence[Any]) -> None:
+        """A step is done: its metrics line, the bar, and at every save_every steps (and the last)
+        the eval loss and the checkpoint."""
+        now = time.perf_counter()
+        dt, self.t0 = now - self.t0, now
+        step, loss = len(job.losses), job.losses[-1]
+        tokens = sum(len(e.ids) for e in examples)
+        m = {"step": step, "loss": loss, "lr": job.trainer.last_lr, "tokens": tokens, "seconds": dt}
+        saving = step % self.spec.save_every == 0 or job.finished
+        if saving and self.evals:
+            m["eval_loss"] = job.trainer.eval_loss(self.evals)
+        self.metrics.append(m)
+        self.mf.write(json.dumps(m) + "\n")
+        self.mf.flush()
+        self.bar.update(1)
+        ev = f", eval {m['eval_loss']:.4f}" if "eval_loss" in m else ""
+        self.bar.set_postfix_str(f"loss {loss:.4f}{ev}, {tokens / max(dt, 1e-9):.0f} tok/s")
+        if saving:
+            _write_atomic(self.out / CHECKPOINT, {"fingerprint": self.fingerprint, "trainer": job.trainer.state(),
+                                                 "job": job.state(), "metrics": self.metrics})
+
+    def __enter__(self) -> "FinetuneJob":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            if exc[0] is None and self.job.finished:
+                self.job.trainer.save(str(self.out))
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        for closer in (getattr(self, "bar", None), getattr(self, "mf", None)):
+            if closer is not None:
+                closer.close()
+        self.lock.__exit__(None, None, None)
+        if self.made is not None:
+            shutil.rmtree(self.made, ignore_errors=True)

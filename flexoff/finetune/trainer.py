@@ -106,6 +106,7 @@ class LoraTrainer:
         self.steps_done = 0
         self._grads: list[torch.Tensor] | None = None  # the step being gathered: A, B of each key in turn
         self._loss = 0.0
+        self.last_lr = cfg.lr
 
     def step(self, examples: Sequence[Example]) -> float:
         """One optimizer step on these examples; the step's mean loss before the update."""
@@ -152,6 +153,7 @@ class LoraTrainer:
             a.grad, b.grad = self._grads[2 * n], self._grads[2 * n + 1]
         if self.cfg.max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_([t for ab in self.params.values() for t in ab], self.cfg.max_grad_norm)
+        self.last_lr = self.opt.param_groups[0]["lr"]  # the rate this step used
         self.opt.step()
         self.sched.step()
         self.opt.zero_grad(set_to_none=True)

@@ -75,3 +75,103 @@ def test_coserving_needs_a_spare_gpu_batch(tiny, tmp_path):
         rider = CoTrainer([CoJob(LoraTrainer(llm, "one", TrainConfig(batch_size=2)), ex, 1)])
         with pytest.raises(InputError, match="raise --num-gpu-batches"):
             llm.generate([{"prompt_ids": p} for p in PROMPTS], max_new_tokens=2, rider=rider)
+
+
+def test_flexoff_run_with_finetune_jobs_answers_every_prompt_and_trains_the_standalone_adapter(tmp_path, capsys):
+    """`flexoff run --finetune JOB.yaml`: every prompt answered with the tokens of a run without
+    the job, the job's adapter (and metrics) as `flexoff finetune` trains it on the same data."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from flexoff.cli import main
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"text": f"line {i}: " + "ab" * (i % 4 + 2)}) + "\n" for i in range(7)))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": "hello " * (i + 1), "max_new_tokens": 4}) + "\n"
+                               for i in range(6)))
+    job = tmp_path / "job.yaml"
+    job.write_text(f"data: {data}\noutput: {tmp_path / 'co'}\nsteps: 5\nbatch_size: 2\nlr: 0.01\nlora_r: 4\n"
+                   "save_every: 2\nseed: 3\n")
+    common = ["--model", "dummy:llama-tiny", "--input", str(prompts), "--dtype", "float32", "-q",
+              "--gpu-batch-size", "2", "--num-gpu-batches", "3"]
+    assert main(["run", *common, "--output", str(tmp_path / "co.jsonl"), "--finetune", str(job)]) == 0
+    err = capsys.readouterr().err
+    assert "finetuning job: 5 steps" in err
+    assert main(["run", *common, "--output", str(tmp_path / "plain.jsonl")]) == 0
+    assert main(["finetune", "--model", "dummy:llama-tiny", "--data", str(data), "--output", str(tmp_path / "alone"),
+                 "--steps", "5", "--batch-size", "2", "--lr", "0.01", "--lora-r", "4", "--seed", "3",
+                 "--dtype", "float32", "-q"]) == 0
+    co = {r["id"]: r for r in map(json.loads, (tmp_path / "co.jsonl").read_text().splitlines())}
+    plain = {r["id"]: r for r in map(json.loads, (tmp_path / "plain.jsonl").read_text().splitlines())}
+    assert co.keys() == plain.keys() == {f"q{i}" for i in range(6)}
+    assert all(co[k]["completion"] == plain[k]["completion"] for k in co)
+    a, b = (load_file(str(tmp_path / d / "adapter_model.safetensors")) for d in ("co", "alone"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert float((a[k] - b[k]).norm()) <= 1e-4 * float(b[k].norm()) + 1e-6, k
+    steps = [json.loads(line)["step"] for line in (tmp_path / "co" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("text,why", [("data: x.jsonl\n", "'output' is required"),
+                                      ("data: x\noutput: y\nlr: fast\n", "lr must be"),
+                                      ("data: x\noutput: y\nwarp: 9\n", "unknown field 'warp'"),
+                                      ("[1, 2]\n", "one mapping")])
+def test_a_bad_job_file_is_one_line_and_exit_2(tmp_path, capsys, text, why):
+    from flexoff.cli import main
+
+    job = tmp_path / "job.yaml"
+    job.write_text(text)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    code = main(["run", "--model", "dummy:llama-tiny", "--input", str(prompts), "--output", str(tmp_path / "o.jsonl"),
+                 "--finetune", str(job)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and why in err and len(err.splitlines()) == 1, err
+
+
+def test_a_killed_coserved_run_resumes_prompts_once_and_the_adapter(tmp_path):
+    """A real `flexoff run --finetune` process killed with SIGKILL mid-run and started again:
+    every prompt answered exactly once, and the adapter of an uninterrupted run (the same data
+    order from the last checkpoint; co-served steps split over blocks differently, so equal
+    within float32 error)."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from safetensors.torch import load_file
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": f"example {i}: " + "ab" * (i % 5 + 3)}) + "\n" for i in range(9)))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": "word " * (i % 7 + 1), "max_new_tokens": 6})
+                               + "\n" for i in range(60)))
+
+    def cmd(name: str) -> list[str]:
+        job = tmp_path / f"{name}.yaml"
+        job.write_text(f"data: {data}\noutput: {tmp_path / name}\nsteps: 30\nbatch_size: 3\nlr: 0.01\nlora_r: 4\n"
+                       "save_every: 3\nseed: 5\nname: job\n")
+        return [sys.executable, "-m", "flexoff.cli", "run", "--model", "dummy:llama-tiny", "--input", str(prompts),
+                "--output", str(tmp_path / f"{name}.jsonl"), "--finetune", str(job), "--gpu-batch-size", "2",
+                "--num-gpu-batches", "2", "--dtype", "float32", "-q"]
+
+    subprocess.run(cmd("whole"), check=True, cwd=tmp_path)
+    proc = subprocess.Popen(cmd("killed"), cwd=tmp_path)
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count("\n") >= 7):
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (tmp_path / "killed" / "adapter_model.safetensors").exists()  # it really stopped mid-run
+    subprocess.run(cmd("killed"), check=True, cwd=tmp_path)
+    ids = [json.loads(line)["id"] for line in (tmp_path / "killed.jsonl").read_text().splitlines()]
+    assert sorted(ids) == sorted(f"q{i}" for i in range(60))  # each exactly once
+    a, b = (load_file(str(tmp_path / d / "adapter_model.safetensors")) for d in ("whole", "killed"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert float((a[k] - b[k]).norm()) <= 1e-4 * float(a[k].norm()) + 1e-6, k
