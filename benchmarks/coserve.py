@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     policy = Policy(gpu_batch_size=gbs, num_gpu_batches=args.infer_batches + args.train_batches)
     alone_policy = Policy(gpu_batch_size=gbs, num_gpu_batches=args.infer_batches)
     rows: list[dict[str, Any]] = []
-    with LLM(args.model, policy=policy, device="cuda", dtype=torch.float16) as llm:
+    # the LLM's own policy is the finetuning-alone one (one GPU batch a block); the others are passed
+    with LLM(args.model, policy=Policy(gpu_batch_size=gbs), device="cuda", dtype=torch.float16) as llm:
         spec = llm.model.spec
         prompts = [{"prompt_ids": torch.randint(3, spec.vocab_size, (args.prompt_len,), generator=g).tolist(),
                     "max_new_tokens": args.gen_len, "ignore_eos": True} for _ in range(args.prompts)]
@@ -89,16 +90,18 @@ def main(argv: list[str] | None = None) -> int:
         rider = CoTrainer([job], args.train_batches)
         co, sec = timed(lambda: llm.generate(prompts, policy=policy, rider=rider))
         trained = len(job.losses) * gbs * args.seq
+        same = sum(a.token_ids == b.token_ids for a, b in zip(alone.completions, co.completions))
         rows.append({"run": "co-served", "policy": policy.describe(), "seconds": sec,
                      "gen_tok_s": co.stats.generated_tokens / sec, "train_tok_s": trained / sec,
-                     "steps_carried": len(job.losses)})
+                     "steps_carried": len(job.losses), "same_tokens_as_alone": same / len(prompts)})
     env = environment()
     for r in rows:
         r.update(model=args.model, prompts=args.prompts, prompt_len=args.prompt_len, gen_len=args.gen_len,
                  seq=args.seq, rank=args.rank, **env)
     rows[2]["inference_kept"] = rows[2]["gen_tok_s"] / rows[0]["gen_tok_s"]
     rows[2]["finetuning_kept"] = rows[2]["train_tok_s"] / rows[1]["train_tok_s"]
-    print(table(rows, ["run", "policy", "seconds", "gen_tok_s", "train_tok_s", "inference_kept", "finetuning_kept"]))
+    print(table(rows, ["run", "policy", "seconds", "gen_tok_s", "train_tok_s", "inference_kept", "finetuning_kept",
+                       "same_tokens_as_alone"]))
     write_jsonl(args.out, rows)
     return 0
 

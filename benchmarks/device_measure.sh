@@ -37,6 +37,8 @@
 #   PHASE=W bash benchmarks/device_measure.sh OUT   # finetuning OPT-30B, 16 GiB GPU, auto: 16-bit base
 #                                                   # against PEFT + Accelerate (same cap), one run
 #   PHASE=X bash benchmarks/device_measure.sh OUT   # finetuning OPT-30B, 16 GiB GPU, auto, 4-bit base
+#   PHASE=Y bash benchmarks/device_measure.sh OUT   # co-serving, resident llama-7b: inference alone,
+#                                                   # finetuning alone, both in the same blocks, one run
 #   PHASE=P bash benchmarks/device_measure.sh OUT   # (2 GPUs) pipeline stages: OPT-1.3B on 1 and 2 GPUs
 #                                                   # (NCCL, same tokens); OPT-66B 512+32, 16 GiB per GPU,
 #                                                   # --policy auto, on 2 GPUs then 1, in one run
@@ -199,6 +201,8 @@ PY
      timeout ${TRAIN_S:-400} python3 benchmarks/finetune.py --model dummy:opt-30b --policy auto --hardware $HW \
        --gpu-mem 16GiB --cpu-mem 100GiB --compress-weight --systems flexoff --steps ${STEPS:-3} --warmup 1 \
        --out "$OUT/finetune-opt30b-4bit.jsonl" 2>&1 | grep -v "^\s*$" | tail -6 ;;
+  Y) echo "=== co-serving, resident llama-7b ($(date +%T))"
+     timeout ${CO_S:-500} python3 benchmarks/coserve.py --out "$OUT/coserve.jsonl" 2>&1 | grep -v "^\s*$" | tail -8 ;;
   P) # the H200 profile with this host's memory (the profile was measured on a one-GPU host)
      python3 -c "import json; d = json.load(open('$HW')); \
        d['cpu_mem'] = 0.95 * 1024 * int(open('/proc/meminfo').readline().split()[1]); \
