@@ -93,6 +93,7 @@ def flexoff_run(args: argparse.Namespace) -> dict[str, Any]:
             return trainer.step([Example(row.tolist(), [False] + [True] * (args.seq - 1)) for row in ids])
 
         losses, sec = timed_steps(args, spec.vocab_size, step)
+        link = link_use(llm, step, batches(spec.vocab_size, args.batch, args.seq, 1, args.seed + 2)[0])
         if args.profile:
             profile(args, step, batches(spec.vocab_size, args.batch, args.seq, 1, args.seed + 1)[0])
         used = llm.last_policy
@@ -105,7 +106,23 @@ def flexoff_run(args: argparse.Namespace) -> dict[str, Any]:
                 "predicted_forward_s": pred.prefill_s, "predicted_reverse_s": pred.decode_s,
                 "predicted_bottleneck": pred.bottleneck, "hardware": hw.name,
                 "step/predicted": step_s / (pred.latency * -(-args.batch // used.block_size)),
-                "losses": losses, "peak_gpu_bytes": torch.cuda.max_memory_allocated()}
+                "losses": losses, "peak_gpu_bytes": torch.cuda.max_memory_allocated(), **link}
+
+
+def link_use(llm: Any, step: Any, ids: torch.Tensor) -> dict[str, Any]:
+    """One more step with the engine's copy counters read around it: bytes moved by path, and how
+    long host-to-device copies kept the link busy (CUDA events around every copy)."""
+    before = dict(llm.engine.traffic())
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step(ids)
+    torch.cuda.synchronize()
+    sec = time.perf_counter() - t0
+    after = llm.engine.traffic()
+    moved = {k: after[k] - before.get(k, 0) for k in after if isinstance(after[k], (int, float))}
+    busy = moved.get("h2d_busy_s", 0.0)
+    return {"traffic_step": moved, "link_step_s": sec, "link_busy": busy / sec if sec else None,
+            "h2d_GBps_while_busy": moved.get("h2d", 0) / busy / 1e9 if busy else None}
 
 
 def profile(args: argparse.Namespace, step: Any, ids: torch.Tensor) -> None:
@@ -198,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         r.update(model=args.model, rank=args.rank, batch=args.batch, seq=args.seq, steps=args.steps,
                  compress_weight=args.compress_weight and r["system"] == "flexoff", **env)
         r["vs_peft"] = r["train_tokens_per_s"] / peft["train_tokens_per_s"] if peft and "error" not in r else None
-    print(table(rows, ["system", "policy", "step_s", "predicted_step_s", "train_tokens_per_s", "vs_peft"]))
+    print(table(rows, ["system", "policy", "step_s", "predicted_step_s", "train_tokens_per_s", "link_busy",
+                       "h2d_GBps_while_busy", "vs_peft"]))
     write_jsonl(args.out, rows)
     return 0
 
