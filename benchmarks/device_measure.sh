@@ -39,6 +39,8 @@
 #   PHASE=X bash benchmarks/device_measure.sh OUT   # finetuning OPT-30B, 16 GiB GPU, auto, 4-bit base
 #   PHASE=Y bash benchmarks/device_measure.sh OUT   # co-serving, resident llama-7b: inference alone,
 #                                                   # finetuning alone, both in the same blocks, one run
+#   PHASE=Z bash benchmarks/device_measure.sh OUT   # paced against unpaced weight copies (FLEXOFF_PACE): OPT-30B
+#                                                   # training (auto) and the compressed 16x24 inference policy
 #   PHASE=P bash benchmarks/device_measure.sh OUT   # (2 GPUs) pipeline stages: OPT-1.3B on 1 and 2 GPUs
 #                                                   # (NCCL, same tokens); OPT-66B 512+32, 16 GiB per GPU,
 #                                                   # --policy auto, on 2 GPUs then 1, in one run
@@ -203,6 +205,15 @@ PY
        --out "$OUT/finetune-opt30b-4bit.jsonl" 2>&1 | grep -v "^\s*$" | tail -6 ;;
   Y) echo "=== co-serving, resident llama-7b ($(date +%T))"
      timeout ${CO_S:-500} python3 benchmarks/coserve.py --out "$OUT/coserve.jsonl" 2>&1 | grep -v "^\s*$" | tail -8 ;;
+  Z) for pace in cpu-attention always; do
+       echo "=== FLEXOFF_PACE=$pace: finetune opt-30b, 16 GiB GPU, auto ($(date +%T))"
+       FLEXOFF_PACE=$pace timeout 200 python3 benchmarks/finetune.py --model dummy:opt-30b --policy auto --hardware $HW \
+         --gpu-mem 16GiB --cpu-mem 100GiB --systems flexoff --steps 3 --warmup 1 \
+         --out "$OUT/finetune-opt30b-pace-$pace.jsonl" 2>&1 | grep -v "^\s*$" | tail -3
+       echo "=== FLEXOFF_PACE=$pace: opt-30b 16x24 compressed, 512+32 ($(date +%T))"
+       FLEXOFF_PACE=$pace timeout 200 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW \
+         --policy "16x24:0,100,12.5,87.5,0,100:wk" --out "$OUT/pace-$pace" 2>&1 | grep -v "^\s*$" | grep -v "^---" | tail -3
+     done ;;
   P) # the H200 profile with this host's memory (the profile was measured on a one-GPU host)
      python3 -c "import json; d = json.load(open('$HW')); \
        d['cpu_mem'] = 0.95 * 1024 * int(open('/proc/meminfo').readline().split()[1]); \

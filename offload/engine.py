@@ -92,7 +92,10 @@ class Engine:
             self.plan.add("weights being moved", move_overhead(moving, plan_weights(layouts, policy)))
         # before anything is allocated; `credit` is memory already held that the plan counts
         check(self.plan, budgets or Budgets(), device, offload_dir, credit or {})
-        self.lanes = Lanes(device)
+        # copies are paced for CPU attention's small copies to pass (offload.mover); elsewhere a
+        # paced copy only waits on the scheduling thread between chunks (training: the link ran at
+        # 43 of 55 GB/s while Python's autograd held the GIL)
+        self.lanes = Lanes(device, pace=policy.cpu_cache_compute or os.environ.get("FLEXOFF_PACE") == "always")
         self._own_tiers, self._own_weights = tiers is None, weights is None
         self.tiers = tiers or Tiers(device, offload_dir)
         self.mem = Ledger(self.tiers)

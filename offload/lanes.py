@@ -158,10 +158,10 @@ class ComputeLane:
 
 class Lanes:
     """All lanes of one engine: compute, load (toward compute), store (away from it), disk read,
-    disk write, CPU attention and a lane for its inputs (its thread sends its output), and (CUDA) the
-    feed that paces large copies onto the load stream."""
+    disk write, CPU attention and a lane for its inputs (its thread sends its output), and (CUDA,
+    `pace`) the feed that paces large copies onto the load stream."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, pace: bool = True):
         self.device = device
         self.cuda = device.type == "cuda"
         self.compute = ComputeLane(device)
@@ -172,7 +172,7 @@ class Lanes:
         self.cpu = ThreadLane("cpu-attention")
         self.cpu_down = ThreadLane("cpu-attention-in")  # q, k, v to the host for CPU attention
         # paces large host-to-device copies onto the load stream (see Mover); CUDA only
-        self.feed: ThreadLane | None = ThreadLane("feed") if self.cuda else None
+        self.feed: ThreadLane | None = ThreadLane("feed") if self.cuda and pace else None
 
     def to_host(self, *ts: torch.Tensor) -> list[torch.Tensor]:
         """Host copies of device tensors, made on the store stream; for worker threads (whose
