@@ -39,7 +39,7 @@
 #   PHASE=X bash benchmarks/device_measure.sh OUT   # finetuning OPT-30B, 16 GiB GPU, auto, 4-bit base
 #   PHASE=Y bash benchmarks/device_measure.sh OUT   # co-serving, resident llama-7b: inference alone,
 #                                                   # finetuning alone, both in the same blocks, one run
-#   PHASE=Z bash benchmarks/device_measure.sh OUT   # paced against unpaced weight copies (FLEXOFF_PACE): OPT-30B
+#   PHASE=Z bash benchmarks/device_measure.sh OUT   # paced against unpaced weight copies (FLEXOFF_PACE=never|always): OPT-30B
 #                                                   # training (auto) and the compressed 16x24 inference policy
 #   PHASE=P bash benchmarks/device_measure.sh OUT   # (2 GPUs) pipeline stages: OPT-1.3B on 1 and 2 GPUs
 #                                                   # (NCCL, same tokens); OPT-66B 512+32, 16 GiB per GPU,
@@ -205,7 +205,7 @@ PY
        --out "$OUT/finetune-opt30b-4bit.jsonl" 2>&1 | grep -v "^\s*$" | tail -6 ;;
   Y) echo "=== co-serving, resident llama-7b ($(date +%T))"
      timeout ${CO_S:-500} python3 benchmarks/coserve.py --out "$OUT/coserve.jsonl" 2>&1 | grep -v "^\s*$" | tail -8 ;;
-  Z) for pace in cpu-attention always; do
+  Z) for pace in never always; do
        echo "=== FLEXOFF_PACE=$pace: finetune opt-30b, 16 GiB GPU, auto ($(date +%T))"
        FLEXOFF_PACE=$pace timeout 200 python3 benchmarks/finetune.py --model dummy:opt-30b --policy auto --hardware $HW \
          --gpu-mem 16GiB --cpu-mem 100GiB --systems flexoff --steps 3 --warmup 1 \

@@ -92,10 +92,12 @@ class Engine:
             self.plan.add("weights being moved", move_overhead(moving, plan_weights(layouts, policy)))
         # before anything is allocated; `credit` is memory already held that the plan counts
         check(self.plan, budgets or Budgets(), device, offload_dir, credit or {})
-        # copies are paced for CPU attention's small copies to pass (offload.mover); elsewhere a
-        # paced copy only waits on the scheduling thread between chunks (training: the link ran at
-        # 43 of 55 GB/s while Python's autograd held the GIL)
-        self.lanes = Lanes(device, pace=policy.cpu_cache_compute or os.environ.get("FLEXOFF_PACE") == "always")
+        # large copies are paced (offload.mover) for CPU attention's small copies to pass, and in
+        # training, where unpaced copies left the link idle 27% of an OPT-30B step against 2% paced
+        # (2.73 s against 2.56 s); elsewhere pacing only slows them (its chunks wait on the host:
+        # OPT-30B 16x24 compressed decoded at 91.1 tok/s unpaced, 84.5 paced; RESULTS.md)
+        pace = os.environ.get("FLEXOFF_PACE", "auto")
+        self.lanes = Lanes(device, pace=pace == "always" or pace == "auto" and (policy.cpu_cache_compute or training))
         self._own_tiers, self._own_weights = tiers is None, weights is None
         self.tiers = tiers or Tiers(device, offload_dir)
         self.mem = Ledger(self.tiers)
