@@ -8,8 +8,10 @@ forward or backward, offload.layer_ops), and keeps an overlap switch; the lanes,
 buffers that live as long as the engine; where a block is resident on the compute device
 its decode runs through the lean path (offload.lean); prefill and decode timing; peak
 memory per tier; as one stage of a pipeline, the block's batches in groups that follow each
-other through the stages, every token step run (offload.pipeline). Per-block state lives in a
-BlockRun (offload.block), not here.
+other through the stages, every token step run (offload.pipeline); a co-served block, whose
+training windows run their forward in the prefill's sweep and their reverse sweep before the
+other batches decode; whether large copies are paced. Per-block state lives in a BlockRun
+(offload.block), not here.
 Does not know: layer kinds, tokenization, sampling rules or stop conditions (the caller
 passes a sampler and an on_tokens callback), where prompts come from.
 """
