@@ -6,8 +6,11 @@ the progress bar (loss, tokens/s), the metrics file beside the adapter (one JSON
 step, loss, lr, tokens, seconds), and writing the adapter at the end.
 Checkpoints (every few steps, written atomically: adapter, optimizer and schedule state, data
 order and position, metrics) let a rerun of the same command continue a killed run and end
-with the same adapter; a checkpoint of other data or settings is refused.
-Does not know: the step's math (flexoff.finetune.trainer).
+with the same adapter; a checkpoint of other data or settings is refused. A job (JobSpec) runs
+as a FinetuneJob around a co-serving CoJob, alone (`flexoff finetune`) or riding on inference
+blocks (`flexoff run --finetune`).
+Does not know: the step's math (flexoff.finetune.trainer), how steps are gathered
+(flexoff.finetune.coserve).
 """
 
 from __future__ import annotations
@@ -147,18 +150,18 @@ class FinetuneJob:
         cfg = TrainConfig(**{**spec.cfg.__dict__, "steps": total})
         self.out = Path(spec.output)
         self.out.mkdir(parents=True, exist_ok=True)
-        self.made: Path | None = None
-        init = spec.init_adapter
-        if init is None:  # a fresh adapter, in a folder kept until the result is saved
-            self.made = Path(tempfile.mkdtemp(prefix="flexoff-lora-"))
-            new_adapter(llm.model.spec, spec.lora or LoraSpec(), self.made, spec.seed)
-            init = str(self.made)
-        self.fingerprint = _fingerprint(spec.data, spec.init_adapter, spec.lora if self.made else None, cfg, total,
-                                        spec.seed, spec.max_seq_len)
         self.lock = OutputLock(str(self.out))  # one run per output folder
         self.lock.__enter__()
+        self.made: Path | None = None
         self.metrics: list[dict[str, Any]] = []
         try:
+            init = spec.init_adapter
+            if init is None:  # a fresh adapter, in a folder kept until the result is saved
+                self.made = Path(tempfile.mkdtemp(prefix="flexoff-lora-"))
+                new_adapter(llm.model.spec, spec.lora or LoraSpec(), self.made, spec.seed)
+                init = str(self.made)
+            self.fingerprint = _fingerprint(spec.data, spec.init_adapter, spec.lora if self.made else None, cfg,
+                                            total, spec.seed, spec.max_seq_len)
             llm.load_lora(name, init)
             trainer = LoraTrainer(llm, name, cfg, max(len(e.ids) for e in examples))
             self.job = CoJob(trainer, examples, total, spec.seed, on_step=self._after_step)
