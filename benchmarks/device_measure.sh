@@ -205,11 +205,14 @@ PY
        --out "$OUT/finetune-opt30b-4bit.jsonl" 2>&1 | grep -v "^\s*$" | tail -6 ;;
   Y) echo "=== co-serving, resident llama-7b ($(date +%T))"
      timeout ${CO_S:-500} python3 benchmarks/coserve.py --out "$OUT/coserve.jsonl" 2>&1 | grep -v "^\s*$" | tail -8 ;;
-  Z) for pace in never always; do
+  Z) [ -z "${WITH_TESTS:-}" ] || { echo "=== gpu tests ($(date +%T))"
+       timeout 300 python3 -m pytest -q -m gpu tests/gpu tests/kernels -p no:cacheprovider 2>&1 | tail -3 | tee "$OUT/gpu_tests.log"; }
+     for pace in never always; do
        echo "=== FLEXOFF_PACE=$pace: finetune opt-30b, 16 GiB GPU, auto ($(date +%T))"
        FLEXOFF_PACE=$pace timeout 200 python3 benchmarks/finetune.py --model dummy:opt-30b --policy auto --hardware $HW \
          --gpu-mem 16GiB --cpu-mem 100GiB --systems flexoff --steps 3 --warmup 1 \
          --out "$OUT/finetune-opt30b-pace-$pace.jsonl" 2>&1 | grep -v "^\s*$" | tail -3
+       [ -z "${TRAIN_ONLY:-}" ] || continue
        echo "=== FLEXOFF_PACE=$pace: opt-30b 16x24 compressed, 512+32 ($(date +%T))"
        FLEXOFF_PACE=$pace timeout 200 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW \
          --policy "16x24:0,100,12.5,87.5,0,100:wk" --out "$OUT/pace-$pace" 2>&1 | grep -v "^\s*$" | grep -v "^---" | tail -3

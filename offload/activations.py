@@ -12,7 +12,7 @@ Does not know: model math, the schedule.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Iterable
+from typing import Any, Hashable, Iterable, Literal
 
 import torch
 
@@ -68,7 +68,10 @@ class _Stored:
 
 
 class RowStore:
-    """Tensors (n, s, hidden) keyed by their holder, rows split across tiers."""
+    """Tensors (n, s, hidden) keyed by their holder, rows split across tiers, loaded back on the
+    lane `lane` names ("load", or "fetch": a stream of its own, not behind weight copies)."""
+
+    lane: Literal["load", "fetch"] = "load"
 
     def __init__(self, keys: Iterable[Hashable], split: dict[str, int], row_bytes: int, dtype: torch.dtype,
                  mem: Ledger, lanes: Lanes, mover: Mover):
@@ -114,20 +117,21 @@ class RowStore:
         for tier, r0, r1 in row_segments(st.shape[0], self.split):
             dst = span_of(out[r0:r1])
             if tier == "gpu":
-                evs.append(self.mover.copy(dst, span_of(st.gpu), [st.ev], lane="load"))
+                evs.append(self.mover.copy(dst, span_of(st.gpu), [st.ev], lane=self.lane))
                 continue
             buf, track = self.homes[key][tier]
             assert track.tag == tag
-            ev = self.mover.copy(dst, Span(buf, 0, dst.nbytes), track.read_deps(), lane="load")
+            ev = self.mover.copy(dst, Span(buf, 0, dst.nbytes), track.read_deps(), lane=self.lane)
             track.was_read(ev)
             evs.append(ev)
         self._loaded[key] = (tag, out, evs)
 
     def _load_target(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """A device tensor for the load stream to fill, made in that stream's memory pool: memory
-        freed in the compute stream's pool may still be used by compute kernels queued behind the
-        host, and a copy on another stream would race them (`take` records compute's use)."""
-        stream = getattr(self.lanes.load, "stream", None)
+        """A device tensor for the loading stream to fill, made in that stream's memory pool:
+        memory freed in the compute stream's pool may still be used by compute kernels queued
+        behind the host, and a copy on another stream would race them (`take` records compute's
+        use)."""
+        stream = getattr(getattr(self.lanes, self.lane), "stream", None)
         if stream is None:
             return torch.empty(shape, dtype=self.dtype, device=self.device)
         with torch.cuda.stream(stream):
@@ -180,7 +184,10 @@ class HiddenStore(RowStore):
 
 class Stash(RowStore):
     """A training window's layer inputs, per (layer, batch), placed as the policy's stash split
-    says, kept from the layer's forward step to its backward step."""
+    says, kept from the layer's forward step to its backward step; loaded back on the fetch lane
+    (the reverse sweep's next batch then does not wait for the next layer's weight copy)."""
+
+    lane = "fetch"
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, policy: Policy, mem: Ledger,
                  lanes: Lanes, mover: Mover, max_tokens: int):

@@ -157,7 +157,8 @@ class ComputeLane:
 
 
 class Lanes:
-    """All lanes of one engine: compute, load (toward compute), store (away from it), disk read,
+    """All lanes of one engine: compute, load (toward compute), fetch (toward compute too, for a
+    training window's stashed inputs: never queued behind a weight copy), store (away from it), disk read,
     disk write, CPU attention and a lane for its inputs (its thread sends its output), and (CUDA,
     `pace`) the feed that paces large copies onto the load stream."""
 
@@ -167,6 +168,7 @@ class Lanes:
         self.compute = ComputeLane(device)
         self.load: StreamLane | ThreadLane = StreamLane("load", device) if self.cuda else ThreadLane("load")
         self.store: StreamLane | ThreadLane = StreamLane("store", device) if self.cuda else ThreadLane("store")
+        self.fetch: StreamLane | ThreadLane = StreamLane("fetch", device) if self.cuda else self.load
         self.disk_read = ThreadLane("disk-read")
         self.disk_write = ThreadLane("disk-write")
         self.cpu = ThreadLane("cpu-attention")
@@ -185,7 +187,7 @@ class Lanes:
 
     def _all(self) -> list:
         return [self.load, self.store, self.disk_read, self.disk_write, self.cpu_down, self.cpu] \
-            + ([self.feed] if self.feed else [])
+            + ([self.feed] if self.feed else []) + ([self.fetch] if self.fetch is not self.load else [])
 
     def sync(self) -> None:
         """Wait for everything issued so far (used at block edges and with overlap off)."""

@@ -61,7 +61,7 @@ class Mover:
         self._spilling: deque[Event] = deque()  # disk writes of transient tensors, oldest first
 
     def copy(self, dst: Span, src: Span, deps: Iterable[Event] = (),
-             lane: Literal["load", "store"] = "load", transient: bool = False) -> Event:
+             lane: Literal["load", "fetch", "store"] = "load", transient: bool = False) -> Event:
         """Copy src's bytes to dst after `deps`. `transient`: src is a compute output that lives
         only until copied; a disk write of one is started only while fewer than SPILLING others
         are unwritten (the host waits), so a disk slower than compute does not pile them up in
@@ -98,7 +98,7 @@ class Mover:
                 if t.is_cuda:
                     t.record_stream(torch.cuda.current_stream(t.device))
 
-        return (self.lanes.load if lane == "load" else self.lanes.store).run(fn, deps)
+        return {"load": self.lanes.load, "fetch": self.lanes.fetch, "store": self.lanes.store}[lane].run(fn, deps)
 
     def copy_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], deps: Iterable[Event] = ()) -> Event:
         """Many small memory-to-memory copies (dst, src tensors of equal size) in one task on the
