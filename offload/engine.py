@@ -94,12 +94,12 @@ class Engine:
             self.plan.add("weights being moved", move_overhead(moving, plan_weights(layouts, policy)))
         # before anything is allocated; `credit` is memory already held that the plan counts
         check(self.plan, budgets or Budgets(), device, offload_dir, credit or {})
-        # large copies are paced (offload.mover) for CPU attention's small copies to pass, and in
-        # training, where unpaced copies left the link idle 27% of an OPT-30B step against 2% paced
-        # (2.73 s against 2.56 s); elsewhere pacing only slows them (its chunks wait on the host:
-        # OPT-30B 16x24 compressed decoded at 91.1 tok/s unpaced, 84.5 paced; RESULTS.md)
+        # large copies are paced (offload.mover) for CPU attention's small copies to pass; elsewhere
+        # pacing only slows them, its chunks waiting on the host (OPT-30B 16x24 compressed decoded at
+        # 91.1 tok/s unpaced, 84.5 paced; an OPT-30B training step took 2.33 s unpaced, 2.64 s
+        # paced; RESULTS.md)
         pace = os.environ.get("FLEXOFF_PACE", "auto")
-        self.lanes = Lanes(device, pace=pace == "always" or pace == "auto" and (policy.cpu_cache_compute or training))
+        self.lanes = Lanes(device, pace=pace == "always" or pace == "auto" and policy.cpu_cache_compute)
         self._own_tiers, self._own_weights = tiers is None, weights is None
         self.tiers = tiers or Tiers(device, offload_dir)
         self.mem = Ledger(self.tiers)
