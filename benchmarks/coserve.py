@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     from flexoff import LLM, Policy
     from flexoff.finetune.coserve import CoJob, CoTrainer
     from flexoff.finetune.data import Example
-    from flexoff.finetune.run import LoraSpec, new_adapter
+    from flexoff.finetune.run import LoraSpec, linear_targets, new_adapter
     from flexoff.finetune.trainer import LoraTrainer, TrainConfig
 
     gbs = args.gpu_batch_size
@@ -61,10 +61,8 @@ def main(argv: list[str] | None = None) -> int:
                     "max_new_tokens": args.gen_len, "ignore_eos": True} for _ in range(args.prompts)]
         examples = [Example(torch.randint(3, spec.vocab_size, (args.seq,), generator=g).tolist(),
                             [False] + [True] * (args.seq - 1)) for _ in range(gbs * (args.train_steps + 64))]
-        targets = sorted({t.hf_names[0].rsplit(".", 2)[-2] for l in spec.layers if l.kind in ("attn", "mlp")
-                          for t in l.tensors if t.matmul})
         folder = Path(args.work) / "fresh"
-        new_adapter(spec, LoraSpec(args.rank, 2 * args.rank, targets), folder, 0)
+        new_adapter(spec, LoraSpec(args.rank, 2 * args.rank, linear_targets(spec)), folder, 0)
         llm.load_lora("train", str(folder))
         cfg = TrainConfig(lr=1e-4, batch_size=gbs)
 

@@ -50,16 +50,10 @@ def predict_training(spec: Any, hw: Any, p: Any, seq: int, batch: int, rank: flo
     """The cost model's prediction of a training step for a policy as the engine places it
     (whole rows of the stash and hidden states; graphs kept where weights and stash are all on
     the GPU), with throughput over a micro-batch of `batch` sequences."""
-    from flexoff.offload.placement import row_split
     from flexoff.policy.train_cost import TrainChoice, TrainCostModel
+    from throughput import fractions
 
-    def rows(g: float, c: float, v: str) -> dict[str, float]:
-        r = row_split(p.gpu_batch_size, g, c)
-        return {f"{v}{t[0]}": r[t] / p.gpu_batch_size for t in ("gpu", "cpu", "disk")}
-
-    frac = {"wg": p.w_gpu_percent / 100, "wc": p.w_cpu_percent / 100, "wd": p.w_disk_percent / 100,
-            **rows(p.cache_gpu_percent, p.cache_cpu_percent, "c"), **rows(p.act_gpu_percent, p.act_cpu_percent, "h"),
-            **rows(p.stash_gpu_percent, p.stash_cpu_percent, "s")}
+    frac = fractions(p, stash=True)
     keep = frac["wg"] >= 1 and frac["sg"] >= 1
     choice = TrainChoice(p.gpu_batch_size, p.num_gpu_batches, p.compress_weight, overlap=p.overlap,
                          quant_bits=p.quant_bits, quant_group=p.quant_group, keep_graphs=keep)
@@ -72,7 +66,7 @@ def predict_training(spec: Any, hw: Any, p: Any, seq: int, batch: int, rank: flo
 def flexoff_run(args: argparse.Namespace) -> dict[str, Any]:
     from flexoff import LLM, Policy, profiler
     from flexoff.finetune.data import Example
-    from flexoff.finetune.run import LoraSpec, new_adapter
+    from flexoff.finetune.run import LoraSpec, linear_targets, new_adapter
     from flexoff.finetune.trainer import LoraTrainer, TrainConfig
     from throughput import parse_policy
 
@@ -84,9 +78,7 @@ def flexoff_run(args: argparse.Namespace) -> dict[str, Any]:
              compression=("on" if args.compress_weight else "off", "off")) as llm:
         spec = llm.model.spec
         folder = Path(args.work) / "fresh"
-        targets = sorted({t.hf_names[0].rsplit(".", 2)[-2] for l in spec.layers if l.kind in ("attn", "mlp")
-                          for t in l.tensors if t.matmul})
-        new_adapter(spec, LoraSpec(args.rank, 2 * args.rank, targets), folder, 0)
+        new_adapter(spec, LoraSpec(args.rank, 2 * args.rank, linear_targets(spec)), folder, 0)
         llm.load_lora("train", str(folder))
         trainer = LoraTrainer(llm, "train", TrainConfig(lr=1e-4, batch_size=args.batch), args.seq)
         def step(ids: torch.Tensor) -> float:
@@ -99,13 +91,12 @@ def flexoff_run(args: argparse.Namespace) -> dict[str, Any]:
         used = llm.last_policy
         hw = profiler.load(args.hardware, None)
         pred = predict_training(spec, hw, used, args.seq, args.batch, llm.adapter_rank("train"))
-        step_s = sec / args.steps
+        step_s, planned = sec / args.steps, args.batch * args.seq / pred.throughput  # a micro-batch's blocks
         return {"system": "flexoff", "policy": used.describe(), "auto": policy == "auto",
                 "step_s": step_s, "train_tokens_per_s": args.steps * args.batch * args.seq / sec,
-                "predicted_step_s": pred.latency * -(-args.batch // used.block_size),
-                "predicted_forward_s": pred.prefill_s, "predicted_reverse_s": pred.decode_s,
-                "predicted_bottleneck": pred.bottleneck, "hardware": hw.name,
-                "step/predicted": step_s / (pred.latency * -(-args.batch // used.block_size)),
+                "predicted_step_s": planned, "predicted_forward_s": pred.prefill_s,
+                "predicted_reverse_s": pred.decode_s, "predicted_bottleneck": pred.bottleneck, "hardware": hw.name,
+                "step/predicted": step_s / planned,
                 "losses": losses, "peak_gpu_bytes": torch.cuda.max_memory_allocated(), **link}
 
 
@@ -141,11 +132,11 @@ def peft_run(args: argparse.Namespace) -> dict[str, Any]:
     from peft import LoraConfig, get_peft_model
 
     from baseline import hf_model
+    from flexoff.finetune.run import linear_targets
 
     model, device_map, _, spec = hf_model(args.model, args.seq, 0, args.batch,
                                           args.peft_gpu_mem, None, torch.float16)
-    targets = sorted({t.hf_names[0].rsplit(".", 2)[-2] for l in spec.layers if l.kind in ("attn", "mlp")
-                      for t in l.tensors if t.matmul})
+    targets = linear_targets(spec)
     pm = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=targets))
     for p in pm.parameters():  # trainable LoRA weights in float32, as the trainer keeps them
         if p.requires_grad:

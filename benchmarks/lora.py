@@ -131,9 +131,9 @@ def peft_part(args: argparse.Namespace) -> list[dict[str, Any]]:
     out = []
     model, _, _, spec = hf_model(args.peft_model, s, n, batch, None, None, torch.float16)
     ids = torch.randint(3, spec.vocab_size, (batch, s), generator=g)
-    targets = sorted({t.hf_names[0].rsplit(".", 2)[-2] for l in spec.layers if l.kind in ("attn", "mlp")
-                      for t in l.tensors if t.matmul})
-    cfg = LoraConfig(r=8, lora_alpha=16, target_modules=targets, init_lora_weights=False)
+    from flexoff.finetune.run import linear_targets
+
+    cfg = LoraConfig(r=8, lora_alpha=16, target_modules=linear_targets(spec), init_lora_weights=False)
     pm = get_peft_model(model, cfg, adapter_name="a0")
     for i in range(1, batch):
         pm.add_adapter(f"a{i}", cfg)

@@ -165,18 +165,25 @@ class Bench:
         self.llm.close()
 
 
+def fractions(p: Any, stash: bool = False) -> dict[str, float]:
+    """A policy's placement as the cost model's fractions, as the engine places it: weights by
+    bytes, cache, activations (and the training stash) by whole rows of a GPU batch."""
+    from flexoff.offload.placement import row_split
+
+    def rows(g: float, c: float, v: str) -> dict[str, float]:
+        r = row_split(p.gpu_batch_size, g, c)
+        return {f"{v}{t[0]}": r[t] / p.gpu_batch_size for t in ("gpu", "cpu", "disk")}
+
+    out = {"wg": p.w_gpu_percent / 100, "wc": p.w_cpu_percent / 100, "wd": p.w_disk_percent / 100,
+           **rows(p.cache_gpu_percent, p.cache_cpu_percent, "c"), **rows(p.act_gpu_percent, p.act_cpu_percent, "h")}
+    return {**out, **rows(p.stash_gpu_percent, p.stash_cpu_percent, "s")} if stash else out
+
+
 def predict(spec: Any, hw: Any, p: Any, work: Any) -> Any:
     """The cost model's prediction for a policy as the engine places it (whole rows)."""
-    from flexoff.offload.placement import row_split
     from flexoff.policy.cost_model import Choice, CostModel
 
-    def rows(g: float, c: float) -> dict[str, int]:
-        return row_split(p.gpu_batch_size, g, c)
-
-    cr, hr = rows(p.cache_gpu_percent, p.cache_cpu_percent), rows(p.act_gpu_percent, p.act_cpu_percent)
-    frac = {"wg": p.w_gpu_percent / 100, "wc": p.w_cpu_percent / 100, "wd": p.w_disk_percent / 100,
-            **{f"c{t[0]}": cr[t] / p.gpu_batch_size for t in ("gpu", "cpu", "disk")},
-            **{f"h{t[0]}": hr[t] / p.gpu_batch_size for t in ("gpu", "cpu", "disk")}}
+    frac = fractions(p)
     ch = Choice(p.gpu_batch_size, p.num_gpu_batches, p.compress_weight, p.compress_cache,
                 p.cpu_cache_compute, p.overlap, p.quant_bits, p.quant_group)
     return CostModel(spec, hw, work, ch).evaluate(frac)

@@ -452,9 +452,9 @@ class LLM:
                 todo = [r for r in reqs if r.key not in done]
                 try:  # setting up the engine may run out too (weights loaded through the GPU)
                     per_block = self.stage_policy(policy).block_size - spare * policy.gpu_batch_size
-                    engine = self.engine_for(policy, max(len(r.prompt_ids) for r in todo) if not spare else
-                                             max(rider.max_len, *(len(r.prompt_ids) for r in todo)),
-                                             max(1, max(r.params.max_new_tokens for r in todo)), training=bool(spare),
+                    longest = max([len(r.prompt_ids) for r in todo] + ([rider.max_len] if spare else []))
+                    engine = self.engine_for(policy, longest, max(1, max(r.params.max_new_tokens for r in todo)),
+                                             training=bool(spare),
                                              need=self.adapter_need(per_block, todo, rider.adapters if spare else ()),
                                              windows=spare or None)
                     engine.adapters = self.adapter_pool()

@@ -324,7 +324,9 @@ def finetune(model: str | None, data_path: str, output: str, lora_r: int, lora_a
         pred = llm.training_prediction
         planned = f" (planned: {pred.latency:.3g} s a block, {pred.throughput:.0f} training tok/s)" if pred else ""
         click.echo(f"policy: {llm.last_policy.describe()}{planned}", err=True)
-    click.echo(f"{len(losses)} steps, loss {losses[0]:.4f} -> {losses[-1]:.4f}; adapter in {output}", err=True)
+    from flexoff.finetune.jobfile import job_summary
+
+    click.echo(job_summary(Path(output).name, losses, output), err=True)
 
 
 @cli.command()

@@ -81,11 +81,16 @@ class TrainCostModel(CostModel):
     def __init__(self, spec: ModelSpec, hw: Hardware, seq_len: int, choice: TrainChoice, lora_rank: float = 16,
                  elem_bytes: int = 2):
         super().__init__(spec, hw, Workload(seq_len, 1, elem_bytes, None, (lora_rank,)), choice)
-        self.train = choice  # self.ch, typed with the training fields
         self.S = seq_len
         elems = graph_token_elems(spec, seq_len)
         self.graph_total = sum(elems) * elem_bytes  # per token, all layers
         self.graph_layer = max(elems) * elem_bytes  # per token, the largest layer
+
+    @property
+    def train(self) -> TrainChoice:
+        """self.ch, with the training fields."""
+        assert isinstance(self.ch, TrainChoice)
+        return self.ch
 
     def sweep_count(self, sweep: str) -> int:
         return 1

@@ -46,6 +46,13 @@ class LoraSpec:
     targets: Sequence[str] = DEFAULT_TARGETS  # module names (the last part), as PEFT's target_modules
 
 
+def linear_targets(spec: Any) -> list[str]:
+    """The module names (the last part, as PEFT's target_modules) of every linear layer LoRA may
+    adapt in this model."""
+    return sorted({t.hf_names[0].rsplit(".", 2)[-2] for l in spec.layers if l.kind in ("attn", "mlp")
+                   for t in l.tensors if t.matmul})
+
+
 def new_adapter(spec: Any, lora: LoraSpec, folder: Path, seed: int) -> None:
     """A fresh PEFT LoRA folder for this model: A as nn.Linear initialises a weight (Kaiming
     uniform, a = sqrt(5)), B zero, so training starts from the base model."""
