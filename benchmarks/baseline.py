@@ -9,12 +9,15 @@ moved to the GPU by Accelerate's hooks at every forward), and timing `generate` 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
+# a change of the placed model before Accelerate dispatches it: (model, device map) -> both
+Prepare = Callable[[Any, dict[str, Any]], tuple[Any, dict[str, Any]]]
 
-def _module_device(device_map: dict[str, Any], name: str) -> Any:
+
+def module_device(device_map: dict[str, Any], name: str) -> Any:
     best = ""
     for prefix in device_map:
         if (name == prefix or name.startswith(prefix + ".") or prefix == "") and len(prefix) >= len(best):
@@ -23,9 +26,12 @@ def _module_device(device_map: dict[str, Any], name: str) -> Any:
 
 
 def hf_model(model_name: str, prompt_len: int, gen_len: int, batch: int, gpu_mem: int | None,
-             cpu_mem: int | None, dtype: torch.dtype) -> tuple[Any, dict[str, Any], float, Any]:
+             cpu_mem: int | None, dtype: torch.dtype,
+             prepare: Prepare | None = None) -> tuple[Any, dict[str, Any], float, Any]:
     """A transformers model holding flexoff's dummy weights, placed by Accelerate within the
     budgets: the model, its device map, the seconds setting it up took, and flexoff's spec.
+    `prepare` changes the model and its map after the weights are placed, before the dispatch
+    (PEFT's wrapping, whose trained weights must not be offloaded).
 
     The GPU budget holds Accelerate's resident layers and the KV cache of the batch; weights are
     given what is left after the cache and working memory that flexoff's model spec estimates."""
@@ -59,12 +65,14 @@ def hf_model(model_name: str, prompt_len: int, gen_len: int, batch: int, gpu_mem
         tensors = m.source.layer(j, layer, dtype, dev)
         for t in layer.tensors:
             for name in t.hf_names[:1] if t.name != "lm_head.weight" or not cfg.get("tie_word_embeddings") else []:
-                target = _module_device(device_map, name.rsplit(".", 1)[0])
+                target = module_device(device_map, name.rsplit(".", 1)[0])
                 set_module_tensor_to_device(model, name, "cuda:0" if target == 0 else target, tensors[t.name])
     model.tie_weights()
     for name, buf in list(model.named_buffers()):  # rotary tables and the like, initialized on the meta device
         if buf.is_meta:
             raise RuntimeError(f"buffer {name} was not materialized")
+    if prepare is not None:
+        model, device_map = prepare(model, device_map)
     model = dispatch_model(model, device_map=device_map, main_device=0 if cuda else "cpu")
     return model, device_map, time.perf_counter() - t0, spec
 

@@ -41,6 +41,9 @@
 #                                                   # finetuning alone, both in the same blocks, one run
 #   PHASE=Z bash benchmarks/device_measure.sh OUT   # paced against unpaced weight copies (FLEXOFF_PACE=never|always): OPT-30B
 #                                                   # training (auto) and the compressed 16x24 inference policy
+#   PHASE=M bash benchmarks/device_measure.sh OUT   # PEFT on Accelerate offload, a small check; then
+#                                                   # OPT-30B finetuning (auto) against it; LORA30=1: only the
+#                                                   # OPT-30B 1000-adapter population under --policy auto instead
 #   PHASE=P bash benchmarks/device_measure.sh OUT   # (2 GPUs) pipeline stages: OPT-1.3B on 1 and 2 GPUs
 #                                                   # (NCCL, same tokens); OPT-66B 512+32, 16 GiB per GPU,
 #                                                   # --policy auto, on 2 GPUs then 1, in one run
@@ -217,6 +220,20 @@ PY
        FLEXOFF_PACE=$pace timeout 200 python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW \
          --policy "16x24:0,100,12.5,87.5,0,100:wk" --out "$OUT/pace-$pace" 2>&1 | grep -v "^\s*$" | grep -v "^---" | tail -3
      done ;;
+  M) if [ -n "${LORA30:-}" ]; then
+       echo "=== lora population, opt-30b, 16 GiB GPU, auto, ${PROMPTS:-72} prompts ($(date +%T))"
+       timeout ${LORA_S:-580} python3 benchmarks/lora.py --parts population --model dummy:opt-30b --policy auto \
+         --prompts ${PROMPTS:-72} --gpu-mem 16GiB --cpu-mem 100GiB --hardware $HW --skip-cold \
+         --out "$OUT/lora-opt30b-auto.jsonl" 2>&1 | grep -v "^\s*$" | tail -8
+     else
+       echo "=== PEFT on Accelerate offload: opt-1.3b, 1 GiB GPU ($(date +%T))"
+       timeout 150 python3 benchmarks/finetune.py --model dummy:opt-1.3b --policy auto --gpu-mem 1GiB --cpu-mem 20GiB \
+         --peft-gpu-mem 1GiB --batch 2 --seq 128 --steps 2 --warmup 1 --out "$OUT/finetune-check.jsonl" 2>&1 | tail -5
+       echo "=== finetune opt-30b, 16 GiB GPU, auto, against PEFT + Accelerate ($(date +%T))"
+       timeout ${TRAIN_S:-420} python3 benchmarks/finetune.py --model dummy:opt-30b --policy auto --hardware $HW \
+         --gpu-mem 16GiB --cpu-mem 100GiB --peft-gpu-mem 16GiB --steps ${STEPS:-2} --warmup 1 \
+         --out "$OUT/finetune-opt30b.jsonl" 2>&1 | grep -v "^\s*$" | tail -8
+     fi ;;
   P) # the H200 profile with this host's memory (the profile was measured on a one-GPU host)
      python3 -c "import json; d = json.load(open('$HW')); \
        d['cpu_mem'] = 0.95 * 1024 * int(open('/proc/meminfo').readline().split()[1]); \

@@ -128,19 +128,51 @@ def profile(args: argparse.Namespace, step: Any, ids: torch.Tensor) -> None:
     Path(args.profile).write_text(text)
 
 
+PEFT_PREFIX = "base_model.model."  # where PEFT's wrapper puts the transformers model's modules
+
+
+def peft_offload_map(pm: Any, device_map: dict[str, Any]) -> dict[str, Any]:
+    """The device map of a PEFT-wrapped model: the base model's entries under PEFT's prefix, each
+    offloaded one split into its modules that hold tensors, the LoRA ones (trained: real tensors
+    that outlive a forward) on the GPU and the frozen ones offloaded as Accelerate placed them."""
+    from baseline import module_device
+
+    if "cpu" not in device_map.values():
+        return {PEFT_PREFIX + k: v for k, v in device_map.items()}
+    out: dict[str, Any] = {}
+    for name, mod in pm.named_modules():
+        holds = next(mod.parameters(recurse=False), None) is not None or next(mod.buffers(recurse=False), None) is not None
+        if name.startswith(PEFT_PREFIX) and holds:
+            where = module_device(device_map, name[len(PEFT_PREFIX):])
+            out[name] = 0 if where == "cpu" and ".lora_" in name else where
+    return out
+
+
 def peft_run(args: argparse.Namespace) -> dict[str, Any]:
+    """PEFT + transformers training. Where Accelerate offloads layers to CPU memory (a GPU cap),
+    PEFT wraps the placed model before the dispatch (LoRA weights on the GPU, frozen weights
+    offloaded) and the decoder layers are checkpointed: recomputed in the backward, so the
+    offloaded weights are copied in again there instead of held on the GPU by the graph."""
     from peft import LoraConfig, get_peft_model
 
     from baseline import hf_model
+    from flexoff.checkpoint import load_model
     from flexoff.finetune.run import linear_targets
 
-    model, device_map, _, spec = hf_model(args.model, args.seq, 0, args.batch,
-                                          args.peft_gpu_mem, None, torch.float16)
-    targets = linear_targets(spec)
-    pm = get_peft_model(model, LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=targets))
-    for p in pm.parameters():  # trainable LoRA weights in float32, as the trainer keeps them
-        if p.requires_grad:
-            p.data = p.data.float()
+    config = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=linear_targets(load_model(args.model).spec))
+
+    def wrap(model: Any, device_map: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        pm = get_peft_model(model, config)
+        for p in pm.parameters():  # trainable LoRA weights in float32, as the trainer keeps them
+            if p.requires_grad:
+                p.data = p.data.float()
+        return pm, peft_offload_map(pm, device_map)
+
+    pm, device_map, _, spec = hf_model(args.model, args.seq, 0, args.batch, args.peft_gpu_mem, None,
+                                       torch.float16, prepare=wrap)
+    offloaded = "cpu" in device_map.values()
+    if offloaded:
+        pm.base_model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     pm.train()
     params = [p for p in pm.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
@@ -156,8 +188,10 @@ def peft_run(args: argparse.Namespace) -> dict[str, Any]:
         return float(loss)
 
     losses, sec = timed_steps(args, spec.vocab_size, step)
-    on_gpu = sum(1 for v in device_map.values() if v == 0)
-    return {"system": "peft", "policy": f"{on_gpu} of {len(device_map)} modules on the GPU",
+    frozen = [k for k, v in device_map.items() if ".lora_" not in k]
+    on_gpu = sum(1 for k in frozen if device_map[k] == 0)
+    return {"system": "peft", "policy": f"{on_gpu} of {len(frozen)} frozen modules on the GPU"
+                                        + (", the rest offloaded, checkpointed layers" if offloaded else ""),
             "step_s": sec / args.steps, "train_tokens_per_s": args.steps * args.batch * args.seq / sec,
             "losses": losses, "peak_gpu_bytes": torch.cuda.max_memory_allocated()}
 

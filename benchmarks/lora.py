@@ -60,14 +60,15 @@ def random_adapter(name: str, spec: Any, rank: int, device: torch.device, seed: 
 
 
 def timed(llm: Any, prompts: list[dict], gen_len: int, adapters: Sequence[str | None] | None,
-          before: Any = None) -> tuple[float, float]:
-    """Seconds for one token and for gen_len tokens (each run after `before()`, if given)."""
+          before: Any = None, policy: Any = None) -> tuple[float, float]:
+    """Seconds for one token and for gen_len tokens (each run after `before()`, if given; both
+    under `policy` where given)."""
     out = []
     for n in (1, gen_len):
         if before is not None:
             before()
         torch.cuda.synchronize()
-        st = llm.generate(prompts, max_new_tokens=n, adapters=adapters).stats
+        st = llm.generate(prompts, max_new_tokens=n, adapters=adapters, policy=policy).stats
         out.append(st.prefill_s + st.decode_s)
     return out[0], out[1]
 
@@ -80,13 +81,17 @@ def record(system: str, variant: str, rows: int, gen_len: int, one: float, full:
 
 def population(args: argparse.Namespace) -> list[dict[str, Any]]:
     from flexoff import LLM, Policy
+    from flexoff.api import SamplingParams
     from throughput import parse_policy
 
     g = torch.Generator().manual_seed(args.seed)
-    policy = parse_policy(args.policy) if args.policy else Policy(gpu_batch_size=args.batch)
+    auto = args.policy == "auto"
+    if auto and not args.prompts:
+        raise SystemExit("--policy auto needs --prompts (the job the search plans for)")
+    policy = "auto" if auto else parse_policy(args.policy) if args.policy else Policy(gpu_batch_size=args.batch)
     rows = args.prompts or policy.block_size
     with LLM(args.model, policy=policy, device="cuda", dtype=torch.float16, gpu_mem=args.gpu_mem,
-             cpu_mem=args.cpu_mem) as llm:
+             cpu_mem=args.cpu_mem, hardware=args.hardware) as llm:
         llm.model.tokenizer.eos_ids = ()
         spec = llm.model.spec
         prompts = [{"id": str(r), "prompt_ids": torch.randint(3, spec.vocab_size, (args.prompt_len,),
@@ -100,22 +105,33 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
         made = time.perf_counter() - t0
         used = sorted(set(draw))
         mean_rank = sum(RANKS[rank_of[d]] for d in used) / len(used)
-        llm.generate(prompts, max_new_tokens=2, adapters=names)  # engine made; graphs of both captured
-        llm.generate(prompts, max_new_tokens=2)
+
+        def plan(adapters: Sequence[str | None] | None) -> Any:
+            """auto: the policy the search picks for the whole job (with or without its adapters),
+            kept for its one-token run too; otherwise the one given."""
+            if not auto:
+                return None
+            job = [{**p, "adapter": a} for p, a in zip(prompts, adapters or [None] * rows)]
+            return llm.choose_policy(llm.make_requests(job, SamplingParams(max_new_tokens=args.gen_len)))
+
+        with_lora, without = plan(names), plan(None)
+        llm.generate(prompts, max_new_tokens=2, adapters=names, policy=with_lora)  # engine made; graphs captured
+        llm.generate(prompts, max_new_tokens=2, policy=without)
         out = []
-        base = timed(llm, prompts, args.gen_len, None)
-        out.append(record("flexoff", "no-lora", rows, args.gen_len, *base))
-        warm = timed(llm, prompts, args.gen_len, names)
+        base = timed(llm, prompts, args.gen_len, None, policy=without)
+        out.append(record("flexoff", "no-lora", rows, args.gen_len, *base, policy=llm.last_policy.describe()))
+        warm = timed(llm, prompts, args.gen_len, names, policy=with_lora)
         pool = llm.adapter_pool()
 
-        cold = timed(llm, prompts, args.gen_len, names, pool.drop_cache)  # every adapter copied again
         extra = {"adapters": args.adapters, "used_adapters": len(used), "mean_rank": mean_rank,
-                 "policy": llm.last_policy.describe(), "setup_adapters_s": made}
-        for v, (one, full) in (("warm", warm), ("cold", cold)):
+                 "policy": llm.last_policy.describe(), "auto": auto, "setup_adapters_s": made}
+        runs = [("warm", warm)]
+        if not args.skip_cold:  # every adapter copied again
+            runs.append(("cold", timed(llm, prompts, args.gen_len, names, pool.drop_cache, policy=with_lora)))
+        for v, (one, full) in runs:
             r = record("flexoff", f"lora-{v}", rows, args.gen_len, one, full, **extra)
             r["vs_no_lora"] = r["generation_throughput"] / out[0]["generation_throughput"]
             out.append(r)
-        out[0].update(policy=llm.last_policy.describe())
     return out
 
 
@@ -230,8 +246,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default="population,peft,kernel")
     ap.add_argument("--model", default="dummy:llama-7b")
-    ap.add_argument("--policy", default=None, help="a policy string (default: everything on the GPU)")
+    ap.add_argument("--policy", default=None,
+                    help="a policy string, or auto with --prompts (default: everything on the GPU)")
+    ap.add_argument("--hardware", default="benchmarks/data/h200-measured.json",
+                    help="hardware profile of --policy auto's cost model")
     ap.add_argument("--batch", type=int, default=128)
+    ap.add_argument("--skip-cold", action="store_true",
+                    help="population: no cold run (streamed weights page every adapter in per layer anyway)")
     ap.add_argument("--prompts", type=int, default=None, help="prompts in the job (default: one block)")
     ap.add_argument("--adapters", type=int, default=1000)
     ap.add_argument("--prompt-len", type=int, default=512)

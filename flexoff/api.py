@@ -313,7 +313,11 @@ class LLM:
 
             prompt = max(len(r.prompt_ids) for r in requests)
             gen = max(1, max(r.params.max_new_tokens for r in requests))
-            return auto_policy(self, prompt, gen, len(requests))
+            job, self._job = self._job, requests  # the search plans these requests' adapters
+            try:
+                return auto_policy(self, prompt, gen, len(requests))
+            finally:
+                self._job = job
         return Policy.load(p)
 
     def choose_policy_for_training(self, n: int, seq_len: int, adapter: str) -> Policy:

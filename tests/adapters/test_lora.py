@@ -56,6 +56,29 @@ def test_mixed_adapter_batches_equal_peft(tiny, name, tmp_path):
         assert [c.token_ids for c in by_arg.completions] == want
 
 
+def test_host_copy_is_the_only_copy_where_dtypes_match(tiny, tmp_path):
+    """An adapter's tensors become views of the pool's flat host buffer (one host copy) with
+    their values unchanged, where they are frozen host tensors of the compute dtype; other
+    dtypes keep their own tensors."""
+    from flexoff.adapters import load_adapter
+    from flexoff.offload.adapters import AdapterPool
+
+    path = tiny["llama"].path
+    made = make_adapters(path, "llama", tmp_path)
+    with LLM(str(path)) as llm:
+        spec = llm.model.spec
+    for dtype, shared in ((torch.float32, True), (torch.float64, False)):
+        a = load_adapter("a", made["a"], spec)
+        before = {k: (m.A.clone(), m.B.clone()) for k, m in a.modules.items()}
+        h = AdapterPool([a], torch.device("cpu"), dtype).host("a")
+        lo, hi = h.flat.data_ptr(), h.flat.data_ptr() + h.flat.numel() * h.flat.element_size()
+        for k, m in a.modules.items():
+            assert torch.equal(m.A, before[k][0]) and torch.equal(m.B, before[k][1])
+            assert all((lo <= t.data_ptr() < hi) == shared for t in (m.A, m.B)), (dtype, k)
+            s = h.slots[k]
+            assert torch.equal(h.flat[s.a_off:s.a_off + m.A.numel()].view_as(m.A), m.A.to(dtype))
+
+
 def test_cli_lora_flags_and_the_adapter_field(tiny, tmp_path, capsys):
     path = tiny["llama"].path
     adapters = make_adapters(path, "llama", tmp_path / "dir")
