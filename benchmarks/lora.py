@@ -80,8 +80,12 @@ def record(system: str, variant: str, rows: int, gen_len: int, one: float, full:
 
 
 def population(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The run without LoRA, then with the population's adapters, each in an LLM of its own (one
+    engine each: under --policy auto the two plans differ, and an LLM that changed engines would
+    hold both plans' host buffers for a while)."""
     from flexoff import LLM, Policy
     from flexoff.api import SamplingParams
+    from flexoff.checkpoint import load_model
     from throughput import parse_policy
 
     g = torch.Generator().manual_seed(args.seed)
@@ -90,48 +94,52 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
         raise SystemExit("--policy auto needs --prompts (the job the search plans for)")
     policy = "auto" if auto else parse_policy(args.policy) if args.policy else Policy(gpu_batch_size=args.batch)
     rows = args.prompts or policy.block_size
-    with LLM(args.model, policy=policy, device="cuda", dtype=torch.float16, gpu_mem=args.gpu_mem,
-             cpu_mem=args.cpu_mem, hardware=args.hardware) as llm:
-        llm.model.tokenizer.eos_ids = ()
-        spec = llm.model.spec
-        prompts = [{"id": str(r), "prompt_ids": torch.randint(3, spec.vocab_size, (args.prompt_len,),
-                                                              generator=g).tolist()} for r in range(rows)]
-        draw = torch.randint(0, args.adapters, (rows,), generator=g).tolist()
-        rank_of = torch.randint(0, len(RANKS), (args.adapters,), generator=g).tolist()
-        names = [f"a{d}" for d in draw]
+    spec = load_model(args.model).spec
+    prompts = [{"id": str(r), "prompt_ids": torch.randint(3, spec.vocab_size, (args.prompt_len,),
+                                                          generator=g).tolist()} for r in range(rows)]
+    draw = torch.randint(0, args.adapters, (rows,), generator=g).tolist()
+    rank_of = torch.randint(0, len(RANKS), (args.adapters,), generator=g).tolist()
+    names = [f"a{d}" for d in draw]
+    used = sorted(set(draw))
+    mean_rank = sum(RANKS[rank_of[d]] for d in used) / len(used)
+
+    def llm() -> Any:
+        made = LLM(args.model, policy=policy, device="cuda", dtype=torch.float16, gpu_mem=args.gpu_mem,
+                   cpu_mem=args.cpu_mem, hardware=args.hardware)
+        made.model.tokenizer.eos_ids = ()
+        return made
+
+    def plan(m: Any, adapters: Sequence[str | None] | None) -> Any:
+        """auto: the policy the search picks for the whole job (with or without its adapters),
+        kept for its one-token run too; otherwise the one given."""
+        if not auto:
+            return None
+        job = [{**p, "adapter": a} for p, a in zip(prompts, adapters or [None] * rows)]
+        return m.choose_policy(m.make_requests(job, SamplingParams(max_new_tokens=args.gen_len)))
+
+    with llm() as m:
+        without = plan(m, None)
+        m.generate(prompts, max_new_tokens=2, policy=without)  # engine made; graphs captured
+        out = [record("flexoff", "no-lora", rows, args.gen_len, *timed(m, prompts, args.gen_len, None, policy=without),
+                      policy=m.last_policy.describe())]
+    gc.collect()
+    with llm() as m:
         t0 = time.perf_counter()
-        for d in sorted(set(draw)):
-            llm.add_adapter(random_adapter(f"a{d}", spec, RANKS[rank_of[d]], torch.device("cuda"), d))
+        for d in used:
+            m.add_adapter(random_adapter(f"a{d}", spec, RANKS[rank_of[d]], torch.device("cuda"), d))
         made = time.perf_counter() - t0
-        used = sorted(set(draw))
-        mean_rank = sum(RANKS[rank_of[d]] for d in used) / len(used)
-
-        def plan(adapters: Sequence[str | None] | None) -> Any:
-            """auto: the policy the search picks for the whole job (with or without its adapters),
-            kept for its one-token run too; otherwise the one given."""
-            if not auto:
-                return None
-            job = [{**p, "adapter": a} for p, a in zip(prompts, adapters or [None] * rows)]
-            return llm.choose_policy(llm.make_requests(job, SamplingParams(max_new_tokens=args.gen_len)))
-
-        with_lora, without = plan(names), plan(None)
-        llm.generate(prompts, max_new_tokens=2, adapters=names, policy=with_lora)  # engine made; graphs captured
-        llm.generate(prompts, max_new_tokens=2, policy=without)
-        out = []
-        base = timed(llm, prompts, args.gen_len, None, policy=without)
-        out.append(record("flexoff", "no-lora", rows, args.gen_len, *base, policy=llm.last_policy.describe()))
-        warm = timed(llm, prompts, args.gen_len, names, policy=with_lora)
-        pool = llm.adapter_pool()
-
-        extra = {"adapters": args.adapters, "used_adapters": len(used), "mean_rank": mean_rank,
-                 "policy": llm.last_policy.describe(), "auto": auto, "setup_adapters_s": made}
-        runs = [("warm", warm)]
+        with_lora = plan(m, names)
+        m.generate(prompts, max_new_tokens=2, adapters=names, policy=with_lora)
+        runs = [("warm", timed(m, prompts, args.gen_len, names, policy=with_lora))]
         if not args.skip_cold:  # every adapter copied again
-            runs.append(("cold", timed(llm, prompts, args.gen_len, names, pool.drop_cache, policy=with_lora)))
-        for v, (one, full) in runs:
-            r = record("flexoff", f"lora-{v}", rows, args.gen_len, one, full, **extra)
-            r["vs_no_lora"] = r["generation_throughput"] / out[0]["generation_throughput"]
-            out.append(r)
+            runs.append(("cold", timed(m, prompts, args.gen_len, names, m.adapter_pool().drop_cache, policy=with_lora)))
+        extra = {"adapters": args.adapters, "used_adapters": len(used), "mean_rank": mean_rank,
+                 "policy": m.last_policy.describe(), "auto": auto, "setup_adapters_s": made,
+                 "adapter_host_bytes": m.adapter_host_bytes()}
+    for v, (one, full) in runs:
+        r = record("flexoff", f"lora-{v}", rows, args.gen_len, one, full, **extra)
+        r["vs_no_lora"] = r["generation_throughput"] / out[0]["generation_throughput"]
+        out.append(r)
     return out
 
 

@@ -240,6 +240,19 @@ class AdapterPool:
                 host[i, :len(vals)] = torch.tensor(vals, dtype=table.dtype)
             table.copy_(host)
 
+    def device_bytes(self) -> int:
+        """Bytes of the adapters' device buffers (the cache or the pages, and their tables)."""
+        held = ([self._buf] if self._buf is not None else []) + self._slots + [self._offs, self._ranks, self._scales]
+        return sum(t.numel() * t.element_size() for t in held)
+
+    def release(self) -> None:
+        """Give back the device buffers (the engine they were planned for closed); the host
+        copies stay, and the next block reserves again."""
+        self._cap, self._buf, self._slots, self._cached, self._top = None, None, [], {}, 0
+        self.packs, self.block, self.index = {}, [], {}
+        self._offs = self._ranks = self._scales = torch.zeros(0)
+        self.version += 1
+
     def _reserve(self, cap: Need, paged: bool, slots: int) -> None:
         """Device buffers for this room (kept while the room and the way of holding stay)."""
         if self._cap == cap and self.paged == paged and (not paged or len(self._slots) == slots):

@@ -153,6 +153,8 @@ class Engine:
             self.weights.release()
         if getattr(self, "_own_tiers", False) and hasattr(self, "tiers"):
             self.tiers.close()
+        if getattr(self, "adapters", None) is not None:  # its device room was this engine's plan
+            self.adapters.release()
         # drop the views of what was given back: a closed engine that is still referenced (by a
         # traceback's frames while the caller retries with a smaller policy, say) holds no memory
         for name in ("kv", "hidden", "host_io", "weights", "mover", "stash", "ops", "lean"):

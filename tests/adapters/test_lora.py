@@ -79,6 +79,23 @@ def test_host_copy_is_the_only_copy_where_dtypes_match(tiny, tmp_path):
             assert torch.equal(h.flat[s.a_off:s.a_off + m.A.numel()].view_as(m.A), m.A.to(dtype))
 
 
+def test_a_closed_engine_gives_back_the_adapters_device_room(tiny, tmp_path):
+    """The adapters' device buffers belong to the engine whose plan counted them: a job without
+    adapters on a new engine does not carry them, and the next job with adapters reserves again
+    and gives the same tokens."""
+    path = tiny["opt"].path
+    adapters = make_adapters(path, "opt", tmp_path)
+    job = [{"prompt_ids": p, "adapter": a} for a, p in zip(ASSIGN, PROMPTS)]
+    with LLM(str(path), lora=adapters, policy=POLICIES[1]) as llm:
+        first = [c.token_ids for c in llm.generate(job, max_new_tokens=4).completions]
+        pool = llm.adapter_pool()
+        assert pool.device_bytes() > 0
+        llm.drop_engine()
+        assert pool.device_bytes() == 0
+        assert [c.token_ids for c in llm.generate(job, max_new_tokens=4).completions] == first
+        assert pool.device_bytes() > 0
+
+
 def test_cli_lora_flags_and_the_adapter_field(tiny, tmp_path, capsys):
     path = tiny["llama"].path
     adapters = make_adapters(path, "llama", tmp_path / "dir")
