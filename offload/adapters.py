@@ -27,6 +27,7 @@ import torch
 
 from flexoff.adapters.peft import Adapter
 from flexoff.kernels.lora import LoraPack, lora_delta
+from flexoff.offload.tiers import pinned_empty
 from flexoff.models.base import linear, materialize
 
 if TYPE_CHECKING:
@@ -77,7 +78,7 @@ class HostAdapter:
             at += r * (fin + fout)
             self.segments[key[0]] = (lo, at)
         self.numel = at
-        self.flat = torch.empty(at, dtype=dtype, pin_memory=pin)
+        self.flat = pinned_empty(at, dtype, self) if pin else torch.empty(at, dtype=dtype)
         self.write(a)
         self._share(a)
 

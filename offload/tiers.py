@@ -89,6 +89,18 @@ class MemTier:
         self._pinned.clear()
 
 
+def pinned_empty(numel: int, dtype: torch.dtype, owner: object) -> torch.Tensor:
+    """Page-locked host memory of exactly this size (torch's pinned allocator rounds a request up
+    to a power of two: 70 adapters of 347 MB took 36 GB), unpinned when `owner` is collected."""
+    nbytes = max(1, numel) * dtype.itemsize
+    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+    off = -raw.data_ptr() % PAGE
+    t = raw[off:off + nbytes]
+    _host_register(t)
+    weakref.finalize(owner, _host_unregister, t)
+    return t.view(dtype)[:numel]
+
+
 def _host_register(t: torch.Tensor) -> None:
     """Pin existing host memory (no power-of-two rounding, unlike torch's pinned allocator)."""
     err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
