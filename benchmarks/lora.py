@@ -21,7 +21,9 @@ time for gen_len tokens less the time for one, over gen_len - 1. Prints a table,
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
+import os
 import sys
 import time
 from pathlib import Path
@@ -70,6 +72,8 @@ def timed(llm: Any, prompts: list[dict], gen_len: int, adapters: Sequence[str | 
         torch.cuda.synchronize()
         st = llm.generate(prompts, max_new_tokens=n, adapters=adapters, policy=policy).stats
         out.append(st.prefill_s + st.decode_s)
+        print(f"  {'lora' if adapters else 'no lora'}, {n} tokens, {llm.last_policy.describe()}: "
+              f"prefill {st.prefill_s:.2f} s, decode {st.decode_s:.2f} s", file=sys.stderr, flush=True)
     return out[0], out[1]
 
 
@@ -273,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out/lora.jsonl"))
     args = ap.parse_args(argv)
+    if os.environ.get("FLEXOFF_STACKS"):  # every thread's stack every N seconds, to see where a slow run is
+        faulthandler.dump_traceback_later(float(os.environ["FLEXOFF_STACKS"]), repeat=True)
     if not torch.cuda.is_available():
         print("lora.py measures on a GPU; no CUDA device here", file=sys.stderr)
         return 2
