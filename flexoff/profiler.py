@@ -9,35 +9,52 @@ a Hardware profile. Does not know: the cost model.
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
+from flexoff.adapters.peft import Adapter, LoraModule
 from flexoff.api import LLM
 from flexoff.policy import hardware
 from flexoff.policy.hardware import Hardware
 from flexoff.policy.policy import Policy
 
 
-def host_step(dev: torch.device, offload_dir: str | None = None, nb: int = 4, gen: int = 16) -> float:
+def host_step(dev: torch.device, offload_dir: str | None = None, nb: int = 4, gen: int = 16,
+              lora: bool = False) -> float:
     """Seconds of host work per engine step (one layer of one GPU batch): the decode of a tiny
     model, whose kernels take next to no time, with its KV cache compressed in CPU memory and
-    its activations there too (a step's most work: loads, stores, quantization), after a warm-up."""
+    its activations there too (a step's most work: loads, stores, quantization), after a warm-up.
+    `lora`: every row with an adapter of its own (rank 8 on every linear layer)."""
     p = Policy(gpu_batch_size=2, num_gpu_batches=nb, cache_gpu_percent=0, cache_cpu_percent=100,
                act_gpu_percent=0, act_cpu_percent=100, compress_cache=True)
-    prompts = [{"prompt_ids": [5 + i, 6, 7, 8]} for i in range(2 * nb)]
+    prompts = [{"prompt_ids": [5 + i, 6, 7, 8], "adapter": f"a{i}" if lora else None} for i in range(2 * nb)]
     with LLM("dummy:opt-tiny", policy=p, device=dev, offload_dir=offload_dir) as llm:
         llm.model.tokenizer.eos_ids = ()  # every step runs
+        if lora:
+            for i in range(2 * nb):
+                llm.add_adapter(random_adapter(f"a{i}", llm.model.spec, 8, i))
         llm.generate(prompts, max_new_tokens=2)
         st = llm.generate(prompts, max_new_tokens=gen).stats
         steps = (gen - 1) * len(llm.model.spec.layers) * nb
     return st.decode_s / steps
 
 
+def random_adapter(name: str, spec: Any, rank: int, seed: int) -> Adapter:
+    """An adapter of one rank on every linear layer LoRA adapts, random values (for timing)."""
+    g = torch.Generator().manual_seed(seed)
+    mods = {(j, t.name): LoraModule(torch.randn(rank, t.shape[1], generator=g) * 0.01,
+                                    torch.randn(t.shape[0], rank, generator=g) * 0.01, 2.0)
+            for j, layer in enumerate(spec.layers) if layer.kind in ("attn", "mlp") for t in layer.tensors if t.matmul}
+    return Adapter(name, "", mods)
+
+
 def measure(offload_dir: str | None = None, quick: bool = False) -> Hardware:
-    """Measure this machine, the engine's host step included."""
+    """Measure this machine, the engine's host step (and what LoRA adds to it) included."""
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return replace(hardware.measure(offload_dir, quick=quick), host_step_s=host_step(dev, offload_dir))
+    base = host_step(dev, offload_dir)
+    extra = max(0.0, host_step(dev, offload_dir, lora=True) - base)
+    return replace(hardware.measure(offload_dir, quick=quick), host_step_s=base, lora_host_step_s=extra)
 
 
 def load(name_or_path: str | None, offload_dir: str | None = None,

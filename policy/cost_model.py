@@ -23,8 +23,8 @@ Names follow the FlexGen paper:
 | mm_flops, bmm_flops | GPU matmul and batched-matmul FLOP/s (p: prefill shapes, g: decode) |
 | cpu_flops, cpu_attn_bdw | CPU attention FLOP/s, and the KV bytes/s it reads |
 | ctog, gtoc, dtoc, ctod, comp | a layer's seconds of each transfer, and of compute |
-| host, host_step_s | a layer's seconds of host work: one engine step per GPU batch (not in FlexGen) |
-| lora_W, lora_F | LoRA: bytes of the adapters a block uses on every linear, and delta FLOPs per token (not in FlexGen); held on the GPU beside resident weights, else paged with each layer's weights (link traffic, a page per weight slot) |
+| host, host_step_s, lora_host_step_s | a layer's seconds of host work: one engine step per GPU batch, and what LoRA adds to a step (not in FlexGen) |
+| lora_W, lora_F | LoRA: bytes of the adapters a block uses on every linear, and delta FLOPs per token (not in FlexGen); held on the GPU beside resident weights, else paged with each layer's weights (link traffic, a page per weight slot); every adapter of the job also in host memory |
 | T_pre, T_gen | a layer's prefill time, and its average decode time per token |
 | T | block latency: sum over layers of T_pre + (n - 1) T_gen |
 """
@@ -123,6 +123,8 @@ class CostModel:
         self.lora_layer = {k: used * mean * width[k] * eb for k in KINDS}  # bytes per layer
         self.lora_bytes = used * mean * sum(spec.lora_width(j) for j in range(len(spec.layers))) * eb
         self.lora_F = {k: 2 * mean * width[k] for k in KINDS}
+        # every adapter of the job has its copy in host memory, whatever the placement
+        self.lora_host = sum(work.lora_ranks) * sum(spec.lora_width(j) for j in range(len(spec.layers))) * eb
 
     # ---- the LP's view ---------------------------------------------------
     def sweep_count(self, stage: str) -> int:
@@ -185,7 +187,8 @@ class CostModel:
                         cpu = x["cc"] * bls * ctx * self.kv / hw.cpu_attn_bdw
                         if ch.compress_cache:
                             cpu += x["cc"] * bls * ctx * self.kv_dense / hw.cpu_dequant_bdw
-                t["host"] = ch.num_gpu_batches * hw.host_step_s  # the schedule's own work per step
+                # the schedule's own work per step, and what LoRA adds to it (wrapping, launches)
+                t["host"] = ch.num_gpu_batches * (hw.host_step_s + (hw.lora_host_step_s if self.lora_F[k] else 0.0))
                 if ch.num_gpu_batches > 1:  # CPU attention of one batch overlaps the next's GPU work
                     t["comp"], t["cpu_comp"] = gpu, cpu
                 else:
@@ -210,7 +213,7 @@ class CostModel:
             "gpu": x["wg"] * self.W_total + self.slots * (1 - x["wg"]) * self.W_max + x["cg"] * cache
             + 2 * ch.gpu_batch_size * staged * (s + n) * self.kv + x["hg"] * act + working
             + x["wg"] * self.lora_bytes + self.slots * (1 - x["wg"]) * max(self.lora_layer.values()),
-            "cpu": x["wc"] * self.W_total + x["cc"] * cache + x["hc"] * act,
+            "cpu": x["wc"] * self.W_total + x["cc"] * cache + x["hc"] * act + self.lora_host,
             "disk": x["wd"] * self.W_total + x["cd"] * cache + x["hd"] * act,
         }
 

@@ -55,6 +55,7 @@ class Hardware:
     dequant_bdw: float  # bytes/s of dense output of 4-bit dequantization on the device
     cpu_dequant_bdw: float  # ... on the CPU (CPU attention over a compressed cache)
     host_step_s: float = 0.0  # seconds of host work per engine step (one layer of one GPU batch)
+    lora_host_step_s: float = 0.0  # ... that LoRA adapters on the batch's rows add to a step
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -72,9 +73,9 @@ class Hardware:
             v = d.get(f.name)
             if f.name in ("name", "device"):
                 ok = isinstance(v, str) and (f.name == "name" or v in ("cuda", "cpu"))
-            else:  # rates and sizes: finite, positive (the host step may be 0)
+            else:  # rates and sizes: finite, positive (the host steps may be 0)
                 ok = v is None and f.name in optional or isinstance(v, (int, float)) and not isinstance(v, bool) \
-                    and math.isfinite(v) and (v > 0 or f.name == "host_step_s" and v == 0)
+                    and math.isfinite(v) and (v > 0 or f.name in ("host_step_s", "lora_host_step_s") and v == 0)
             if not ok:
                 raise FlexoffError(f"hardware profile: {f.name} is {v!r}; run `flexoff profile` again")
         return cls(**{k: d[k] for k in known if k in d})

@@ -215,6 +215,7 @@ def test_ppl_and_eval_use_an_adapter(tiny, tmp_path, capsys):
 
 def test_adapters_are_counted_by_the_plan_and_the_cost_model(tiny, tmp_path, capsys):
     import math
+    from dataclasses import replace
 
     from flexoff.dummy import dummy_config
     from flexoff.models.spec import ModelSpec
@@ -261,6 +262,13 @@ def test_adapters_are_counted_by_the_plan_and_the_cost_model(tiny, tmp_path, cap
                         grouped.slots * 2 * 88 / 3 * mlp_width * 2)
     link = grouped.terms(xs)[("g", "mlp")]["ctog"] - plain_n.terms(xs)[("g", "mlp")]["ctog"]
     assert math.isclose(link, 2 * 88 / 3 * mlp_width * 2 / h200().ctog_bdw)
+    # every adapter of the job in host memory, where the engine's plan counts them too
+    assert math.isclose(grouped.memory(xs)["cpu"] - plain_n.memory(xs)["cpu"], 88 * width * 2)
+    # the host work LoRA adds to each step of each GPU batch (measured by the profiler)
+    hw = replace(h200(), host_step_s=1e-3, lora_host_step_s=4e-4)
+    steps = CostModel(spec, hw, Workload(512, 32, lora_ranks=(8,)), Choice(8, 3)).terms(xs)[("g", "mlp")]["host"]
+    none = CostModel(spec, hw, Workload(512, 32), Choice(8, 3)).terms(xs)[("g", "mlp")]["host"]
+    assert math.isclose(steps, 3 * 1.4e-3) and math.isclose(none, 3 * 1e-3)
     code = main(["policy", "search", "--model", "dummy:llama-7b", "--prompt-len", "512", "--gen-len", "32",
                  "--hardware", "h200", "--gpu-mem", "80GiB", "--lora-ranks", "8,16", "--lora-adapters", "4"])
     out = capsys.readouterr().out
