@@ -168,6 +168,9 @@ def cli() -> None:
               help="Co-serve a LoRA finetuning job (YAML or JSON: data, output, lora_r, steps, ...; repeatable).")
 @click.option("--finetune-batches", type=click.IntRange(min=1), default=1, show_default=True,
               help="GPU batches of every block given to the finetuning jobs' training windows.")
+@click.option("--max-inference-slowdown", "max_slowdown", default=None, metavar="PCT",
+              help="With --finetune: the time training windows may add to inference (10% or 0.1); each "
+                   "block takes as many of its --finetune-batches as that leaves room for.")
 @click.option("--pipeline-parallel", type=click.IntRange(min=1), default=None,
               help="Pipeline stages, one process and GPU each; outside torchrun, starts N workers on this "
                    "host. Under torchrun: stages per replica (default: the host's processes).")
@@ -177,7 +180,7 @@ def run(model: str | None, input_path: str, output_path: str, max_new_tokens: in
         logprobs: int | None, min_tokens: int, ignore_eos: bool, repetition_penalty: float, presence_penalty: float,
         frequency_penalty: float, chat: bool, input_format: str, dtype: str, device: str,
         allow_pickle: bool, loras: tuple[str, ...], lora_dir: str | None, default_adapter: str | None, quiet: bool,
-        finetune_jobs: tuple[str, ...], finetune_batches: int,
+        finetune_jobs: tuple[str, ...], finetune_batches: int, max_slowdown: str | None,
         pipeline_parallel: int | None, policy_arg: str | None, percent: Any, gpu_batch_size: Any,
         num_gpu_batches: Any, cpu_cache_compute: Any, no_overlap: Any, compress_weight: Any,
         compress_cache: Any, gpu_mem: Any, cpu_mem: Any, disk_mem: Any, offload_dir: Any, hardware: Any) -> None:
@@ -194,6 +197,9 @@ def run(model: str | None, input_path: str, output_path: str, max_new_tokens: in
     if input_path != "-":
         read_prompts(input_path, chat, input_format)  # fail fast on a bad file, before loading the model
     validate.output_file(output_path, "--output", input_path)
+    limit = validate.fraction(max_slowdown, "--max-inference-slowdown") if max_slowdown is not None else None
+    if limit is not None and not finetune_jobs:
+        raise InputError("--max-inference-slowdown bounds co-served finetuning: give --finetune JOB.yaml")
     if finetune_jobs:
         if pipeline_parallel is not None or parallel.in_torchrun():
             raise InputError("--finetune co-serves in one process; drop --pipeline-parallel and torchrun")
@@ -224,8 +230,8 @@ def run(model: str | None, input_path: str, output_path: str, max_new_tokens: in
                   lora=adapter_paths(loras, lora_dir), default_adapter=default_adapter, world=world)
         try:
             if finetune_jobs:
-                res, trained = _coserve(llm, specs, finetune_batches, quiet, input_path, output_path, defaults, chat,
-                                        input_format)
+                res, trained = _coserve(llm, specs, finetune_batches, limit, quiet, input_path, output_path,
+                                        defaults, chat, input_format)
             else:
                 res, trained = run_job(llm, input_path, output_path, defaults, chat, input_format), []
         finally:
@@ -250,12 +256,14 @@ def run(model: str | None, input_path: str, output_path: str, max_new_tokens: in
         click.echo(line, err=True)
 
 
-def _coserve(llm: Any, specs: list[tuple[str, Any]], batches: int, quiet: bool, *job: Any) -> tuple[Any, list[str]]:
-    """The prompts of `job` (run_job's arguments) with the finetuning jobs riding on their blocks,
-    then the jobs' remaining steps; each job's adapter saved in its output folder."""
+def _coserve(llm: Any, specs: list[tuple[str, Any]], batches: int, limit: float | None, quiet: bool,
+             *job: Any) -> tuple[Any, list[str]]:
+    """The prompts of `job` (run_job's arguments) with the finetuning jobs riding on their blocks
+    (as many window batches as `limit`, the inference slowdown allowed, leaves room for), then
+    the jobs' remaining steps; each job's adapter saved in its output folder."""
     from contextlib import ExitStack
 
-    from flexoff.finetune.coserve import CoTrainer
+    from flexoff.finetune.coserve import CoTrainer, SlowdownBound
     from flexoff.finetune.jobfile import job_summary
     from flexoff.finetune.run import FinetuneJob
     from flexoff.jobs import run_job
@@ -263,10 +271,17 @@ def _coserve(llm: Any, specs: list[tuple[str, Any]], batches: int, quiet: bool, 
     with ExitStack() as stack:
         runs = [stack.enter_context(FinetuneJob(llm, spec, name, progress=not quiet, position=1 + i))
                 for i, (name, spec) in enumerate(specs)]
-        rider = CoTrainer([r.job for r in runs], batches)
+        bound = SlowdownBound(limit) if limit is not None else None
+        rider = CoTrainer([r.job for r in runs], batches, bound)
         res = run_job(llm, *job, rider=rider)
+        carried = [len(r.job.losses) for r in runs]
         rider.finish()
-    return res, [job_summary(name, r.job.losses, spec.output) for (name, spec), r in zip(specs, runs)]
+    lines = [job_summary(name, r.job.losses, spec.output) for (name, spec), r in zip(specs, runs)]
+    if bound is not None:
+        lines.append(f"co-serving: training windows added {100 * bound.slowdown:.1f}% to inference's "
+                     f"{bound.inference_s:.1f} s (bound {100 * limit:g}%); {sum(carried)} steps rode on "
+                     "inference blocks, the rest ran after them")
+    return res, lines
 
 
 @cli.command()

@@ -10,6 +10,7 @@ Does not know: placement or the schedule (the engine's), model math.
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Protocol, Sequence
 
@@ -183,6 +184,7 @@ class Rider(Protocol):
     def window_len(self) -> int: ...  # the tokens its next windows need (0: none are waiting)
     def windows(self, length: int, room: int, gbs: int) -> list[BatchInput]: ...  # up to room batches
     def done(self, result: TrainResult) -> None: ...  # the block's loss and gradients of its windows
+    def block(self, seconds: float, windows: int) -> None: ...  # every block's seconds, its window batches
 
 
 def run_block(engine: Engine, tokenizer: Tokenizer, block: list[Request], job_seed: int,
@@ -220,10 +222,13 @@ def run_block(engine: Engine, tokenizer: Tokenizer, block: list[Request], job_se
     for inp, b in zip(inputs, batches):
         inp.adapters = [r.adapter for r in b] if any(r.adapter for r in b) else None
     windows = rider.windows(S, room, gbs) if rider is not None and room > 0 else []
+    t0 = time.perf_counter()
     res = engine.run_block(inputs + windows, gen_len, sampler, on_tokens, prompt_logprobs)
     if windows:
         assert rider is not None and res.train is not None
         rider.done(res.train)
+    if rider is not None and room > 0:  # the block's time, the windows' optimizer steps included
+        rider.block(time.perf_counter() - t0, len(windows))
     out = []
     for k, brows in enumerate(rows):
         lp = res.prompt_logprobs[k] if prompt_logprobs else None

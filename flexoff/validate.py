@@ -147,6 +147,18 @@ def size(text: str | int | None) -> int | None:
 
 
 # ---- model configs ---------------------------------------------------------------------------
+def fraction(text: str, what: str) -> float:
+    """A share such as 10% or 0.1, above 0: the fraction (one-line error otherwise)."""
+    t = text.strip()
+    try:
+        v = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        v = math.nan
+    if not math.isfinite(v) or v <= 0:
+        raise InputError(f"{what} {text!r}: give a share above 0, such as 10% or 0.1")
+    return v
+
+
 def config_sizes(config: Mapping[str, Any], keys: tuple[str, ...], where: str = "config.json") -> None:
     """The config's sizes that are present must be positive integers."""
     for k in keys:

@@ -211,7 +211,9 @@ class Engine:
         if pipe is not None and not pipe.last:  # the last stage samples the tokens and sees them
             on_tokens = lambda i, tokens: False  # noqa: E731
         losses, tokens = self._loss_tasks([batches[k] for k in train])
-        with self._host_settings(), torch.no_grad() if train else torch.inference_mode():
+        # an engine that trains runs every block without inference mode: what a block makes and
+        # keeps (weight views, the lean path's buffers) must stay usable by a later window's autograd
+        with self._host_settings(), torch.no_grad() if train or self.training else torch.inference_mode():
             run = BlockRun(self, batches, gen_len, [SampleTask(sampler, k, prompt_logprobs) for k in infer] + losses)
             clock = Clock(self, [run.states[k] for k in infer], on_tokens)
             lean = self.lean is not None and gen_len > 1

@@ -5,7 +5,8 @@ order: epochs shuffled by its seed, as `flexoff finetune` orders them), a job's 
 gathered over the blocks that carried its examples (each block's gradients weighted so the step
 is the mean over all of the step's labelled tokens, as a standalone step), the windows a block
 takes (whole GPU batches of one job each, in turn, examples no longer than the block's padded
-length), and finishing the steps the inference blocks left over with standalone steps.
+length; with a SlowdownBound, as many as the inference time so far leaves room for), and
+finishing the steps the inference blocks left over with standalone steps.
 Does not know: which requests are in a block (flexoff.generation), the engine's sweeps
 (offload.engine.run_block co-serves a block's windows).
 """
@@ -76,12 +77,71 @@ class CoJob:
         self.order, self.losses = list(state["order"]), list(state["losses"])
 
 
+@dataclass
+class SlowdownBound:
+    """Inference comes first: a block takes training windows only while the time windows added
+    stays within `limit` (0.1: 10%) of the inference time so far.
+
+    Knows: a block's seconds without windows (the mean over the blocks that ran without: the
+    first, and at least one in PLAIN_SHARE, to follow drift), the seconds a window batch added
+    in the last block that had some, and the sums of both over the job. The credit is limit x
+    the inference seconds (the coming block's included) less the seconds windows took; a block
+    takes as many windows as the credit pays for at the last rate (the first window is a probe,
+    taken once the credit is positive). An estimate that was low is paid back by the next
+    blocks: over the job the bound holds to within about one block's windows."""
+    limit: float
+    per_window: float | None = None  # seconds one window batch added, as last measured
+    inference_s: float = 0.0  # the blocks' inference seconds (measured, or the base where windows rode)
+    extra_s: float = 0.0  # seconds the windows added
+    plain_s: float = 0.0  # seconds of the blocks without windows ...
+    plain: int = 0  # ... and how many
+    blocks: int = 0  # every block so far
+    PLAIN_SHARE = 8  # at least one block in this many runs without windows, to measure the base
+
+    @property
+    def base(self) -> float | None:
+        """A block's seconds without windows: the mean over those that ran (the last alone would
+        follow its noise, and a high one would last longest: credit runs out later under it)."""
+        return self.plain_s / self.plain if self.plain else None
+
+    def allow(self, room: int) -> int:
+        """How many of `room` window batches the next block may take."""
+        if self.base is None or self.plain * self.PLAIN_SHARE <= self.blocks:
+            return 0
+        credit = self.limit * (self.inference_s + self.base) - self.extra_s
+        if credit <= 0:
+            return 0
+        if not self.per_window:
+            return 1
+        return max(0, min(room, int(credit / self.per_window)))
+
+    def record(self, seconds: float, windows: int) -> None:
+        """A block ran in `seconds` with `windows` window batches."""
+        base = self.base
+        self.blocks += 1
+        if windows == 0 or base is None:
+            if windows == 0:
+                self.plain_s, self.plain = self.plain_s + seconds, self.plain + 1
+            self.inference_s += seconds
+            return
+        extra = max(0.0, seconds - base)
+        self.inference_s += base
+        self.extra_s += extra
+        self.per_window = extra / windows
+
+    @property
+    def slowdown(self) -> float:
+        """The time windows added so far, over the inference time."""
+        return self.extra_s / self.inference_s if self.inference_s else 0.0
+
+
 class CoTrainer:
     """The rider of LLM.generate: hands blocks training windows and gathers their gradients."""
 
-    def __init__(self, jobs: Sequence[CoJob], batches: int = 1):
-        """batches: GPU batches of every inference block given to training windows."""
-        self.jobs, self.batches = list(jobs), batches
+    def __init__(self, jobs: Sequence[CoJob], batches: int = 1, bound: SlowdownBound | None = None):
+        """batches: GPU batches of every inference block given to training windows (at most, where
+        `bound` decides how many each block takes)."""
+        self.jobs, self.batches, self.bound = list(jobs), batches, bound
         for job in self.jobs:
             if not job.finished:
                 job.draw()
@@ -105,6 +165,8 @@ class CoTrainer:
         per batch, jobs in turn."""
         out: list[BatchInput] = []
         self._inflight = []
+        if self.bound is not None:
+            room = self.bound.allow(room)
         for _ in range(len(self.jobs) * room):
             if len(out) >= room:
                 break
@@ -120,6 +182,11 @@ class CoTrainer:
             out.append(batch_input(fit, job.name, length))
             self._inflight.append((job, len(fit)))
         return out
+
+    def block(self, seconds: float, windows: int) -> None:
+        """A block ran: its seconds and how many window batches it carried."""
+        if self.bound is not None:
+            self.bound.record(seconds, windows)
 
     def done(self, result: TrainResult) -> None:
         """The block's windows ran: each job gathers its part (the block's losses were averaged

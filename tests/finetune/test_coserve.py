@@ -113,6 +113,49 @@ def test_flexoff_run_with_finetune_jobs_answers_every_prompt_and_trains_the_stan
         assert float((a[k] - b[k]).norm()) <= 1e-4 * float(b[k].norm()) + 1e-6, k
     steps = [json.loads(line)["step"] for line in (tmp_path / "co" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5]
+    # under a slowdown bound the blocks carry what it leaves room for; the answers and the adapter
+    # are the same whichever blocks carried the steps
+    job.write_text(job.read_text().replace(str(tmp_path / "co"), str(tmp_path / "bounded")))
+    assert main(["run", *common, "--output", str(tmp_path / "bounded.jsonl"), "--finetune", str(job),
+                 "--max-inference-slowdown", "50%"]) == 0
+    err = capsys.readouterr().err
+    assert "co-serving: training windows added" in err and "(bound 50%)" in err, err
+    bounded = {r["id"]: r for r in map(json.loads, (tmp_path / "bounded.jsonl").read_text().splitlines())}
+    assert all(bounded[k]["completion"] == plain[k]["completion"] for k in plain)
+    c = load_file(str(tmp_path / "bounded" / "adapter_model.safetensors"))
+    for k in c:
+        assert float((c[k] - b[k]).norm()) <= 1e-4 * float(b[k].norm()) + 1e-6, k
+    for bad in (["--max-inference-slowdown", "fast", "--finetune", str(job)], ["--max-inference-slowdown", "0%",
+                "--finetune", str(job)], ["--max-inference-slowdown", "10%"]):
+        assert main(["run", *common, "--output", str(tmp_path / "x.jsonl"), *bad]) == 2
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    assert not (tmp_path / "x.jsonl").exists()
+
+
+@pytest.mark.parametrize("limit,first,each", [(0.1, 0.25, 0.1), (0.02, 0.4, 0.2), (0.5, 0.05, 0.05)])
+def test_the_slowdown_bound_holds_over_a_job_and_spends_its_room(limit, first, each):
+    """Blocks of about a second (varying by 20%), whose windows cost `first` seconds for the
+    first of a block (its reverse sweep) and `each` for every other: the time windows added, summed
+    from the simulated blocks themselves, stays within the bound (plus one block's windows) and
+    uses most of it (or of the blocks' room for windows, where that is less)."""
+    import random
+
+    from flexoff.finetune.coserve import SlowdownBound
+
+    rng = random.Random(0)
+    bound, inference, extra, windows = SlowdownBound(limit), 0.0, 0.0, 0
+    for _ in range(400):
+        base = 1.0 + 0.2 * rng.random()
+        k = bound.allow(4)
+        assert 0 <= k <= 4
+        added = first + each * (k - 1) if k else 0.0
+        bound.record(base + added, k)
+        inference, extra, windows = inference + base, extra + added, windows + k
+    worst = first + 3 * each  # a block's four windows
+    assert extra <= limit * inference + worst, (extra, inference)
+    room = min(limit * inference, 400 * worst)  # what the bound, or the blocks' room, allows
+    assert extra >= 0.75 * room - 2 * worst, (extra, inference)
+    assert windows > 0 and abs(bound.slowdown - extra / inference) < 0.05
 
 
 @pytest.mark.parametrize("text,why", [("data: x.jsonl\n", "'output' is required"),
