@@ -5,7 +5,8 @@ random prompts of `--prompt-len` tokens generating `--gen-len`, random training 
 `--seq` tokens (loss on every token) for one fresh LoRA adapter (rank r on every linear layer);
 three runs on the same weights: the prompts alone (blocks of the inference batches only), the
 finetuning steps alone (LoraTrainer, micro-batches of one GPU batch), and the prompts with the
-finetuning job riding on their blocks (LLM.generate with a CoTrainer). Reports generation
+finetuning job riding on their blocks (LLM.generate with a CoTrainer), every block and under
+an inference-slowdown bound (`--max-slowdown`). Reports generation
 tokens/s and training tokens/s of each, and the co-served run's ratios to the runs alone.
 """
 
@@ -36,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--train-steps", type=int, default=6, help="finetuning steps of the run alone")
+    ap.add_argument("--max-slowdown", type=float, default=0.1,
+                    help="one more co-served run under this inference-slowdown bound (0: none)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work", default="/tmp/flexoff-coserve-bench")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out/coserve.jsonl"))
@@ -44,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         print("coserve.py measures on a GPU; no CUDA device here", file=sys.stderr)
         return 2
     from flexoff import LLM, Policy
-    from flexoff.finetune.coserve import CoJob, CoTrainer
+    from flexoff.finetune.coserve import CoJob, CoTrainer, SlowdownBound
     from flexoff.finetune.data import Example
     from flexoff.finetune.run import LoraSpec, linear_targets, new_adapter
     from flexoff.finetune.trainer import LoraTrainer, TrainConfig
@@ -84,20 +87,24 @@ def main(argv: list[str] | None = None) -> int:
         _, sec = timed(lambda: CoTrainer([job]).finish())
         rows.append({"run": "finetuning alone", "policy": llm.last_policy.describe(), "seconds": sec,
                      "gen_tok_s": 0.0, "train_tok_s": args.train_steps * gbs * args.seq / sec})
-        job = CoJob(trainer, examples, 10**6)  # more steps than the blocks carry: only carried ones count
-        rider = CoTrainer([job], args.train_batches)
-        co, sec = timed(lambda: llm.generate(prompts, policy=policy, rider=rider))
-        trained = len(job.losses) * gbs * args.seq
-        same = sum(a.token_ids == b.token_ids for a, b in zip(alone.completions, co.completions))
-        rows.append({"run": "co-served", "policy": policy.describe(), "seconds": sec,
-                     "gen_tok_s": co.stats.generated_tokens / sec, "train_tok_s": trained / sec,
-                     "steps_carried": len(job.losses), "same_tokens_as_alone": same / len(prompts)})
+        for limit in [None] + ([args.max_slowdown] if args.max_slowdown else []):
+            job = CoJob(trainer, examples, 10**6)  # more steps than the blocks carry: only carried ones count
+            bound = SlowdownBound(limit) if limit else None
+            rider = CoTrainer([job], args.train_batches, bound)
+            co, sec = timed(lambda: llm.generate(prompts, policy=policy, rider=rider))
+            trained = len(job.losses) * gbs * args.seq
+            same = sum(a.token_ids == b.token_ids for a, b in zip(alone.completions, co.completions))
+            rows.append({"run": "co-served" + (f", bound {limit:g}" if limit else ""), "policy": policy.describe(),
+                         "seconds": sec, "gen_tok_s": co.stats.generated_tokens / sec, "train_tok_s": trained / sec,
+                         "steps_carried": len(job.losses), "same_tokens_as_alone": same / len(prompts),
+                         "bound_estimate": bound.slowdown if bound else None})
     env = environment()
     for r in rows:
         r.update(model=args.model, prompts=args.prompts, prompt_len=args.prompt_len, gen_len=args.gen_len,
                  seq=args.seq, rank=args.rank, **env)
-    rows[2]["inference_kept"] = rows[2]["gen_tok_s"] / rows[0]["gen_tok_s"]
-    rows[2]["finetuning_kept"] = rows[2]["train_tok_s"] / rows[1]["train_tok_s"]
+    for r in rows[2:]:
+        r["inference_kept"] = r["gen_tok_s"] / rows[0]["gen_tok_s"]
+        r["finetuning_kept"] = r["train_tok_s"] / rows[1]["train_tok_s"]
     print(table(rows, ["run", "policy", "seconds", "gen_tok_s", "train_tok_s", "inference_kept", "finetuning_kept",
                        "same_tokens_as_alone"]))
     write_jsonl(args.out, rows)
