@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -35,6 +36,14 @@ def environment() -> dict[str, Any]:
             "cpus": os.cpu_count(), "torch": torch.__version__, "commit": os.environ.get("FLEXOFF_COMMIT", commit()),
             "date": datetime.date.today().isoformat(), "host": platform.node(),
             "settings": {k: v for k, v in os.environ.items() if k.startswith("FLEXOFF_") and k != "FLEXOFF_COMMIT"}}
+
+
+def cuda_missing(script: str) -> bool:
+    """True, with a line on stderr, where there is no CUDA device for a GPU benchmark."""
+    if torch.cuda.is_available():
+        return False
+    print(f"{script} measures on a GPU; no CUDA device here", file=sys.stderr)
+    return True
 
 
 def write_jsonl(path: Path, records: Iterable[dict[str, Any]]) -> None:

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import environment, table, write_jsonl  # noqa: E402
+from common import cuda_missing, environment, table, write_jsonl  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,8 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default="/tmp/flexoff-coserve-bench")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out/coserve.jsonl"))
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("coserve.py measures on a GPU; no CUDA device here", file=sys.stderr)
+    if cuda_missing("coserve.py"):
         return 2
     from flexoff import LLM, Policy
     from flexoff.finetune.coserve import CoJob, CoTrainer, SlowdownBound

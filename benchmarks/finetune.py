@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import environment, table, write_jsonl  # noqa: E402
+from common import cuda_missing, environment, table, write_jsonl  # noqa: E402
 
 
 def batches(vocab: int, batch: int, seq: int, count: int, seed: int) -> list[torch.Tensor]:
@@ -218,8 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default="/tmp/flexoff-finetune-bench")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out/finetune.jsonl"))
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("finetune.py measures on a GPU; no CUDA device here", file=sys.stderr)
+    if cuda_missing("finetune.py"):
         return 2
     from flexoff.validate import size
 

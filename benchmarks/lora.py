@@ -33,7 +33,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import environment, table, write_jsonl  # noqa: E402
+from common import cuda_missing, environment, table, write_jsonl  # noqa: E402
+from flexoff.profiler import random_adapter  # noqa: E402
 
 RANKS = (8, 16, 32, 64)
 # decode tile configurations the kernel part compares (kernels.lora.DECODE), two-pass and one-pass
@@ -41,24 +42,6 @@ CONFIGS = {False: [{"split_bk": 64, "split_bn": 128, "warps": 4}, {"split_bk": 1
                    {"split_bk": 128, "split_bn": 256, "warps": 8}, {"split_bk": 64, "split_bn": 512, "warps": 8}],
            True: [{"fused_bk": 64, "fused_bn": 128, "warps": 4}, {"fused_bk": 256, "fused_bn": 256, "warps": 8},
                   {"fused_bk": 128, "fused_bn": 512, "warps": 8}]}
-
-
-def random_adapter(name: str, spec: Any, rank: int, device: torch.device, seed: int) -> Any:
-    """An adapter of one rank on every linear layer, random values (std 0.01), in float16 host memory."""
-    from flexoff.adapters.peft import Adapter, LoraModule
-
-    g = torch.Generator(device=device).manual_seed(seed)
-    mods = {}
-    for j, layer in enumerate(spec.layers):
-        if layer.kind in ("embed", "head"):
-            continue
-        for t in layer.tensors:
-            if t.matmul:
-                out, fin = t.shape
-                A = torch.randn(rank, fin, generator=g, device=device, dtype=torch.float16) * 0.01
-                B = torch.randn(out, rank, generator=g, device=device, dtype=torch.float16) * 0.01
-                mods[(j, t.name)] = LoraModule(A.cpu(), B.cpu(), 2.0)
-    return Adapter(name, "", mods)
 
 
 def timed(llm: Any, prompts: list[dict], gen_len: int, adapters: Sequence[str | None] | None,
@@ -130,7 +113,7 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
     with llm() as m:
         t0 = time.perf_counter()
         for d in used:
-            m.add_adapter(random_adapter(f"a{d}", spec, RANKS[rank_of[d]], torch.device("cuda"), d))
+            m.add_adapter(random_adapter(f"a{d}", spec, RANKS[rank_of[d]], d, torch.device("cuda"), torch.float16))
         made = time.perf_counter() - t0
         with_lora = plan(m, names)
         m.generate(prompts, max_new_tokens=2, adapters=names, policy=with_lora)
@@ -194,7 +177,7 @@ def peft_part(args: argparse.Namespace) -> list[dict[str, Any]]:
     with LLM(args.peft_model, policy=Policy(gpu_batch_size=batch), device="cuda", dtype=torch.float16) as llm:
         llm.model.tokenizer.eos_ids = ()
         for i in range(batch):
-            llm.add_adapter(random_adapter(f"a{i}", llm.model.spec, 8, torch.device("cuda"), i))
+            llm.add_adapter(random_adapter(f"a{i}", llm.model.spec, 8, i, torch.device("cuda"), torch.float16))
         prompts = [{"id": str(r), "prompt_ids": ids[r].tolist()} for r in range(batch)]
         fl = {"no-lora": None, "one-adapter": ["a0"] * batch, "distinct": [f"a{i}" for i in range(batch)]}
         for names in fl.values():  # graphs captured before anything is timed
@@ -279,8 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if os.environ.get("FLEXOFF_STACKS"):  # every thread's stack every N seconds, to see where a slow run is
         faulthandler.dump_traceback_later(float(os.environ["FLEXOFF_STACKS"]), repeat=True)
-    if not torch.cuda.is_available():
-        print("lora.py measures on a GPU; no CUDA device here", file=sys.stderr)
+    if cuda_missing("lora.py"):
         return 2
     from resident import copy_bandwidth
 

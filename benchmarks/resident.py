@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import environment, table, write_jsonl  # noqa: E402
+from common import cuda_missing, environment, table, write_jsonl  # noqa: E402
 
 VARIANTS = ("graphs", "eager", "loop")
 
@@ -85,8 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out/resident.jsonl"))
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("resident.py measures GPU decode; no CUDA device here", file=sys.stderr)
+    if cuda_missing("resident.py"):
         return 2
     from baseline import accelerate_run
 

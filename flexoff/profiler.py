@@ -40,11 +40,16 @@ def host_step(dev: torch.device, offload_dir: str | None = None, nb: int = 4, ge
     return st.decode_s / steps
 
 
-def random_adapter(name: str, spec: Any, rank: int, seed: int) -> Adapter:
-    """An adapter of one rank on every linear layer LoRA adapts, random values (for timing)."""
-    g = torch.Generator().manual_seed(seed)
-    mods = {(j, t.name): LoraModule(torch.randn(rank, t.shape[1], generator=g) * 0.01,
-                                    torch.randn(t.shape[0], rank, generator=g) * 0.01, 2.0)
+def random_adapter(name: str, spec: Any, rank: int, seed: int, device: torch.device = torch.device("cpu"),
+                   dtype: torch.dtype = torch.float32) -> Adapter:
+    """An adapter of one rank on every linear layer LoRA adapts, random values (std 0.01; for
+    timing), made on `device` in `dtype` and kept in host memory."""
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g, device=device, dtype=dtype) * 0.01).cpu()
+
+    mods = {(j, t.name): LoraModule(rand(rank, t.shape[1]), rand(t.shape[0], rank), 2.0)
             for j, layer in enumerate(spec.layers) if layer.kind in ("attn", "mlp") for t in layer.tensors if t.matmul}
     return Adapter(name, "", mods)
 
