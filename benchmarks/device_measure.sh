@@ -44,6 +44,9 @@
 #   PHASE=M bash benchmarks/device_measure.sh OUT   # PEFT on Accelerate offload, a small check; then
 #                                                   # OPT-30B finetuning (auto) against it; LORA30=1: only the
 #                                                   # OPT-30B 1000-adapter population under --policy auto instead
+#   PHASE=N bash benchmarks/device_measure.sh OUT   # (TESTS=1: GPU tests;) decode attention launch settings and the fused
+#                                                   # elementwise kernels (layer_kernels.py); resident llama-7b
+#                                                   # with fused kernels on and off (resident.py)
 #   PHASE=P bash benchmarks/device_measure.sh OUT   # (2 GPUs) pipeline stages: OPT-1.3B on 1 and 2 GPUs
 #                                                   # (NCCL, same tokens); OPT-66B 512+32, 16 GiB per GPU,
 #                                                   # --policy auto, on 2 GPUs then 1, in one run
@@ -234,6 +237,15 @@ PY
          --gpu-mem 16GiB --cpu-mem 100GiB --peft-gpu-mem 16GiB --steps ${STEPS:-2} --warmup 1 \
          --out "$OUT/finetune-opt30b.jsonl" 2>&1 | grep -v "^\s*$" | tail -8
      fi ;;
+  N) [ -z "${TESTS:-}" ] || { echo "=== gpu tests ($(date +%T))"
+     timeout 200 python3 -m pytest -q -m gpu tests/gpu tests/kernels -p no:cacheprovider >"$OUT/gpu_tests.log" 2>&1
+     tail -5 "$OUT/gpu_tests.log"; }
+     echo "=== layer kernels ($(date +%T))"
+     timeout ${KERNELS_S:-200} python3 benchmarks/layer_kernels.py ${KERNEL_ARGS:-} --out "$OUT/layer_kernels.jsonl" >"$OUT/layer_kernels.log" 2>&1
+     cat "$OUT/layer_kernels.log" | grep -v "^\s*$" | tail -60
+     echo "=== resident llama-7b ($(date +%T))"
+     timeout ${RESIDENT_S:-300} python3 benchmarks/resident.py ${RESIDENT_ARGS:-} --out "$OUT/resident.jsonl" >"$OUT/resident.log" 2>&1
+     grep -v "^\s*$" "$OUT/resident.log" | tail -30 ;;
   P) # the H200 profile with this host's memory (the profile was measured on a one-GPU host)
      python3 -c "import json; d = json.load(open('$HW')); \
        d['cpu_mem'] = 0.95 * 1024 * int(open('/proc/meminfo').readline().split()[1]); \

@@ -2,6 +2,7 @@
 
 Knows: for a model that fits the GPU (weights, KV cache and activations all on it), the
 decode step time and generation throughput of flexoff's lean path with CUDA graphs, the
+same with the torch chains instead of the fused elementwise kernels (`graphs-unfused`), the
 lean path without graphs, and the scheduled loop step by step (its host time per layer step),
 against transformers `generate` on the same dummy weights; the memory bound of a decode step
 (weight bytes plus the KV bytes an average step reads, over the device's copy bandwidth
@@ -24,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import cuda_missing, environment, table, write_jsonl  # noqa: E402
 
-VARIANTS = ("graphs", "eager", "loop")
+VARIANTS = ("graphs", "graphs-unfused", "eager", "loop")
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
@@ -45,6 +46,7 @@ def flexoff_runs(model: str, batch: int, prompt_len: int, gen_len: int, variants
                  dtype: torch.dtype) -> tuple[list[dict[str, Any]], Any]:
     """One record per variant, and the model's spec."""
     from flexoff import LLM, Policy
+    from flexoff.kernels import elementwise
 
     g = torch.Generator().manual_seed(0)
     out = []
@@ -60,17 +62,24 @@ def flexoff_runs(model: str, batch: int, prompt_len: int, gen_len: int, variants
                 if v == "loop":
                     e.lean = None
                 elif e.lean is not None:
-                    e.lean.graphs = v == "graphs"
+                    e.lean.graphs = v.startswith("graphs")
                 return llm.generate(prompts, max_new_tokens=n).stats
 
+            fused = v != "graphs-unfused"
+            if elementwise.ENABLED != fused and llm.engine.lean is not None:
+                llm.engine.lean.batches.clear()  # graphs captured with the other kernels
+                llm.engine.lean.pool = None
+            elementwise.ENABLED = fused
             gen(2)  # graphs captured, caches warm
             one, full = gen(1), gen(gen_len)
             total = full.prefill_s + full.decode_s
-            step = (total - one.prefill_s - one.decode_s) / (gen_len - 1)
+            first = one.prefill_s + one.decode_s
+            step = (total - first) / (gen_len - 1)
             L = len(llm.model.spec.layers)
-            out.append({"system": f"flexoff-{v}", "batch": batch, "total_s": total, "decode_step_ms": 1e3 * step,
-                        "generation_throughput": full.generated_tokens / total,
+            out.append({"system": f"flexoff-{v}", "batch": batch, "total_s": total, "first_token_s": first,
+                        "decode_step_ms": 1e3 * step, "generation_throughput": full.generated_tokens / total,
                         "loop_ms_per_layer_step": 1e3 * step / L if v == "loop" else None})
+        elementwise.ENABLED = True
         spec = llm.model.spec
     return out, spec
 
@@ -106,6 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             full = hf[args.gen_len]
             step = (full["total_s"] - hf[1]["total_s"]) / (args.gen_len - 1)
             runs.append({"system": "transformers", "batch": batch, "total_s": full["total_s"],
+                         "first_token_s": hf[1]["total_s"],
                          "decode_step_ms": 1e3 * step, "generation_throughput": full["generation_throughput"],
                          "placement": full["placement"]})
         context = args.prompt_len + args.gen_len / 2  # tokens an average decode step attends over
@@ -117,10 +127,10 @@ def main(argv: list[str] | None = None) -> int:
                      step_over_bound=r["decode_step_ms"] / bound_ms, memory_GBps=bw / 1e9,
                      vs_transformers=r["generation_throughput"] / hf_tp if hf_tp else None, **env)
         rows += runs
-        print(table(runs, ["system", "batch", "decode_step_ms", "bound_ms", "step_over_bound",
+        print(table(runs, ["system", "batch", "decode_step_ms", "bound_ms", "step_over_bound", "first_token_s",
                            "generation_throughput", "vs_transformers", "loop_ms_per_layer_step"]), flush=True)
     write_jsonl(args.out, rows)
-    print(table(rows, ["system", "batch", "decode_step_ms", "bound_ms", "step_over_bound",
+    print(table(rows, ["system", "batch", "decode_step_ms", "bound_ms", "step_over_bound", "first_token_s",
                        "generation_throughput", "vs_transformers", "loop_ms_per_layer_step"]))
     return 0
 

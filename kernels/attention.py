@@ -49,10 +49,10 @@ def kernel_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
             and q.stride(-1) == 1 and q.shape[1] % k.shape[1] == 0)
 
 
-def splits_for(b: int, heads: int, T: int) -> int:
-    """Chunks per (row, head): a power of two, at most one per BLOCK_T positions."""
+def splits_for(b: int, heads: int, T: int, block: int = BLOCK_T, target: int = TARGET_PROGRAMS) -> int:
+    """Chunks per (row, head group): a power of two, at most one per `block` positions."""
     s = 1
-    while b * heads * s * 2 <= TARGET_PROGRAMS and s * 2 * BLOCK_T <= T:
+    while b * heads * s * 2 <= target and s * 2 * block <= T:
         s *= 2
     return s
 
@@ -107,20 +107,63 @@ if HAVE_TRITON:
         tl.store(O + b * sob + h * soh + offs_d, out.to(O.dtype.element_ty))
 
 
+    @triton.jit
+    def _group_kernel(Q, K, V, M, ACC, ML, sqb, sqh, skb, skh, skt, svb, svh, svt, smb, T, per_split, group,
+                      scale, S: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, G: tl.constexpr):
+        """_split_kernel for G adjacent query heads per program: each position's keys of those
+        heads are one contiguous run in the token-major cache (G * head_dim values, not one head's)."""
+        b = tl.program_id(0)
+        offs_h = tl.program_id(1) * G + tl.arange(0, G)
+        s = tl.program_id(2)
+        kh = offs_h // group
+        offs_d = tl.arange(0, D)
+        q = tl.load(Q + b * sqb + offs_h[:, None] * sqh + offs_d[None, :]).to(tl.float32) * scale  # (G, D)
+        m_i = tl.full((G,), float("-inf"), tl.float32)
+        l_i = tl.zeros((G,), tl.float32)
+        acc = tl.zeros((G, D), tl.float32)
+        t0 = s * per_split
+        for start in range(t0, t0 + per_split, BLOCK):
+            offs_t = start + tl.arange(0, BLOCK)
+            seen = tl.load(M + b * smb + offs_t, mask=offs_t < T, other=0) != 0
+            kp = K + b * skb + offs_t[:, None, None] * skt + kh[None, :, None] * skh + offs_d[None, None, :]
+            kk = tl.load(kp, mask=seen[:, None, None], other=0.0).to(tl.float32)  # (BLOCK, G, D)
+            sc = tl.where(seen[:, None], tl.sum(kk * q[None, :, :], axis=2), float("-inf"))  # (BLOCK, G)
+            m_new = tl.maximum(m_i, tl.max(sc, axis=0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(sc - m_safe[None, :])
+            alpha = tl.exp(m_i - m_safe)
+            vp = V + b * svb + offs_t[:, None, None] * svt + kh[None, :, None] * svh + offs_d[None, None, :]
+            vv = tl.load(vp, mask=seen[:, None, None], other=0.0).to(tl.float32)
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vv, axis=0)
+            m_i = m_new
+        rows = (b * tl.num_programs(1) * G + offs_h) * S + s
+        tl.store(ACC + rows[:, None] * D + offs_d[None, :], acc)
+        tl.store(ML + rows * 2, m_i)
+        tl.store(ML + rows * 2 + 1, l_i)
+
+
 def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                            scale: float) -> torch.Tensor:
-    """The kernel, on any device Triton reaches (the CPU under TRITON_INTERPRET=1, for tests)."""
+                            scale: float, heads: int = 1, block: int = BLOCK_T, target: int = TARGET_PROGRAMS,
+                            warps: int = 4) -> torch.Tensor:
+    """The kernel, on any device Triton reaches (the CPU under TRITON_INTERPRET=1, for tests):
+    `heads` query heads per program (a power of two dividing them), `block` positions per
+    iteration among them, about `target` programs, `warps` warps each."""
     b, H, _, D = q.shape
     T = k.shape[2]
-    S = splits_for(b, H, T)
-    per_split = -(-T // (S * BLOCK_T)) * BLOCK_T
+    G = heads if H % heads == 0 else 1
+    S = splits_for(b, H // G, T, block, target)
+    per_split = -(-T // (S * block)) * block
     m = mask.reshape(b, T)
     m = (m if m.stride(-1) == 1 else m.contiguous()).view(torch.uint8)
     acc = torch.empty(b, H, S, D, dtype=torch.float32, device=q.device)
     ml = torch.empty(b, H, S, 2, dtype=torch.float32, device=q.device)
     out = torch.empty(b, H, 1, D, dtype=q.dtype, device=q.device)
-    _split_kernel[(b, H, S)](q, k, v, m, acc, ml, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
-                             v.stride(0), v.stride(1), v.stride(2), m.stride(0), T, per_split, H // k.shape[1],
-                             scale, S=S, D=D, BLOCK=BLOCK_T)
+    args = (q, k, v, m, acc, ml, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), m.stride(0), T, per_split, H // k.shape[1], scale)
+    if G == 1:
+        _split_kernel[(b, H, S)](*args, S=S, D=D, BLOCK=block, num_warps=warps)
+    else:
+        _group_kernel[(b, H // G, S)](*args, S=S, D=D, BLOCK=max(1, block // G), G=G, num_warps=warps)
     _combine_kernel[(b, H)](acc, ml, out, out.stride(0), out.stride(1), S=S, D=D)
     return out

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from flexoff.errors import ModelError
+from flexoff.kernels.elementwise import rms_norm, rotate, silu_mul
 from flexoff.models.base import LayerSpec, TensorSpec, Weights, linear, linears
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
@@ -144,17 +145,6 @@ def _yarn(cfg: LlamaConfig, inv: torch.Tensor) -> tuple[torch.Tensor, float]:
     return inv / factor * (1 - keep) + inv * keep, float(attn)
 
 
-def rms_norm(h: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) in float32 (float64 too, as Hugging Face's), back in h's dtype, times w."""
-    return w * F.rms_norm(h.float(), (h.shape[-1],), eps=eps).to(h.dtype)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding in the half-split layout: x (b, heads, s, d); cos, sin (b, 1, s, d)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
 class Llama:
     """The LLaMA family bound to one config."""
 
@@ -259,7 +249,7 @@ class Llama:
     def mlp(self, w: Weights, h: torch.Tensor) -> torch.Tensor:
         x = rms_norm(h, w["norm.weight"], self.cfg.rms_norm_eps)
         gate, up = linears(x, [w["gate_proj.weight"], w["up_proj.weight"]], [w.get("gate_proj.bias"), w.get("up_proj.bias")])
-        return h + linear(F.silu(gate) * up, w["down_proj.weight"], w.get("down_proj.bias"))
+        return h + linear(silu_mul(gate, up), w["down_proj.weight"], w.get("down_proj.bias"))
 
     def head(self, w: Weights, h: torch.Tensor) -> torch.Tensor:
         return linear(rms_norm(h, w["norm.weight"], self.cfg.rms_norm_eps), w["lm_head.weight"])
