@@ -27,6 +27,7 @@ except ImportError:  # CPU-only installs without triton use the reference
 
 BLOCK_T = 64  # positions a program reads per iteration
 TARGET_PROGRAMS = 4096  # enough (row, head, chunk) programs to keep every SM streaming
+HEADS_FIRST = True  # launch order: a row's heads one after another (adjacent in the token-major cache)
 
 
 def decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
@@ -50,7 +51,7 @@ def kernel_fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def splits_for(b: int, heads: int, T: int, block: int = BLOCK_T, target: int = TARGET_PROGRAMS) -> int:
-    """Chunks per (row, head group): a power of two, at most one per `block` positions."""
+    """Chunks per (row, head): a power of two, at most one per `block` positions."""
     s = 1
     while b * heads * s * 2 <= target and s * 2 * block <= T:
         s *= 2
@@ -59,10 +60,14 @@ def splits_for(b: int, heads: int, T: int, block: int = BLOCK_T, target: int = T
 
 if HAVE_TRITON:
     @triton.jit
-    def _split_kernel(Q, K, V, M, ACC, ML, sqb, sqh, skb, skh, skt, svb, svh, svt, smb, T, per_split, group,
-                      scale, S: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
-        b = tl.program_id(0)
-        h = tl.program_id(1)
+    def _split_kernel(Q, K, V, M, ACC, ML, sqb, sqh, skb, skh, skt, svb, svh, svt, smb, T, H, per_split, group,
+                      scale, S: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, HEADS_FIRST: tl.constexpr):
+        if HEADS_FIRST:  # programs launched one after another read one position's adjacent heads
+            h = tl.program_id(0)
+            b = tl.program_id(1)
+        else:
+            b = tl.program_id(0)
+            h = tl.program_id(1)
         s = tl.program_id(2)
         kh = h // group
         offs_d = tl.arange(0, D)
@@ -86,7 +91,7 @@ if HAVE_TRITON:
             l_i = l_i * alpha + tl.sum(p, axis=0)
             acc = acc * alpha + tl.sum(p[:, None] * vv, axis=0)
             m_i = m_new
-        row = (b * tl.num_programs(1) + h) * S + s
+        row = (b * H + h) * S + s
         tl.store(ACC + row * D + offs_d, acc)
         tl.store(ML + row * 2, m_i)
         tl.store(ML + row * 2 + 1, l_i)
@@ -107,63 +112,24 @@ if HAVE_TRITON:
         tl.store(O + b * sob + h * soh + offs_d, out.to(O.dtype.element_ty))
 
 
-    @triton.jit
-    def _group_kernel(Q, K, V, M, ACC, ML, sqb, sqh, skb, skh, skt, svb, svh, svt, smb, T, per_split, group,
-                      scale, S: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, G: tl.constexpr):
-        """_split_kernel for G adjacent query heads per program: each position's keys of those
-        heads are one contiguous run in the token-major cache (G * head_dim values, not one head's)."""
-        b = tl.program_id(0)
-        offs_h = tl.program_id(1) * G + tl.arange(0, G)
-        s = tl.program_id(2)
-        kh = offs_h // group
-        offs_d = tl.arange(0, D)
-        q = tl.load(Q + b * sqb + offs_h[:, None] * sqh + offs_d[None, :]).to(tl.float32) * scale  # (G, D)
-        m_i = tl.full((G,), float("-inf"), tl.float32)
-        l_i = tl.zeros((G,), tl.float32)
-        acc = tl.zeros((G, D), tl.float32)
-        t0 = s * per_split
-        for start in range(t0, t0 + per_split, BLOCK):
-            offs_t = start + tl.arange(0, BLOCK)
-            seen = tl.load(M + b * smb + offs_t, mask=offs_t < T, other=0) != 0
-            kp = K + b * skb + offs_t[:, None, None] * skt + kh[None, :, None] * skh + offs_d[None, None, :]
-            kk = tl.load(kp, mask=seen[:, None, None], other=0.0).to(tl.float32)  # (BLOCK, G, D)
-            sc = tl.where(seen[:, None], tl.sum(kk * q[None, :, :], axis=2), float("-inf"))  # (BLOCK, G)
-            m_new = tl.maximum(m_i, tl.max(sc, axis=0))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp(sc - m_safe[None, :])
-            alpha = tl.exp(m_i - m_safe)
-            vp = V + b * svb + offs_t[:, None, None] * svt + kh[None, :, None] * svh + offs_d[None, None, :]
-            vv = tl.load(vp, mask=seen[:, None, None], other=0.0).to(tl.float32)
-            l_i = l_i * alpha + tl.sum(p, axis=0)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * vv, axis=0)
-            m_i = m_new
-        rows = (b * tl.num_programs(1) * G + offs_h) * S + s
-        tl.store(ACC + rows[:, None] * D + offs_d[None, :], acc)
-        tl.store(ML + rows * 2, m_i)
-        tl.store(ML + rows * 2 + 1, l_i)
-
-
 def decode_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
-                            scale: float, heads: int = 1, block: int = BLOCK_T, target: int = TARGET_PROGRAMS,
-                            warps: int = 4) -> torch.Tensor:
+                            scale: float, block: int = BLOCK_T, target: int = TARGET_PROGRAMS, warps: int = 4,
+                            heads_first: bool = HEADS_FIRST) -> torch.Tensor:
     """The kernel, on any device Triton reaches (the CPU under TRITON_INTERPRET=1, for tests):
-    `heads` query heads per program (a power of two dividing them), `block` positions per
-    iteration among them, about `target` programs, `warps` warps each."""
+    `block` positions per iteration, about `target` programs of `warps` warps, launched heads
+    first (a row's heads, then the next row's) or rows first."""
     b, H, _, D = q.shape
     T = k.shape[2]
-    G = heads if H % heads == 0 else 1
-    S = splits_for(b, H // G, T, block, target)
+    S = splits_for(b, H, T, block, target)
     per_split = -(-T // (S * block)) * block
     m = mask.reshape(b, T)
     m = (m if m.stride(-1) == 1 else m.contiguous()).view(torch.uint8)
     acc = torch.empty(b, H, S, D, dtype=torch.float32, device=q.device)
     ml = torch.empty(b, H, S, 2, dtype=torch.float32, device=q.device)
     out = torch.empty(b, H, 1, D, dtype=q.dtype, device=q.device)
-    args = (q, k, v, m, acc, ml, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
-            v.stride(0), v.stride(1), v.stride(2), m.stride(0), T, per_split, H // k.shape[1], scale)
-    if G == 1:
-        _split_kernel[(b, H, S)](*args, S=S, D=D, BLOCK=block, num_warps=warps)
-    else:
-        _group_kernel[(b, H // G, S)](*args, S=S, D=D, BLOCK=max(1, block // G), G=G, num_warps=warps)
+    grid = (H, b, S) if heads_first else (b, H, S)
+    _split_kernel[grid](q, k, v, m, acc, ml, q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2),
+                        v.stride(0), v.stride(1), v.stride(2), m.stride(0), T, H, per_split, H // k.shape[1], scale,
+                        S=S, D=D, BLOCK=block, HEADS_FIRST=heads_first, num_warps=warps)
     _combine_kernel[(b, H)](acc, ml, out, out.stride(0), out.stride(1), S=S, D=D)
     return out
