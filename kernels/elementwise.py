@@ -1,12 +1,14 @@
-"""Fused elementwise work of the LLaMA family's layers: RMSNorm, the rotary embedding and
-SwiGLU's silu(gate) * up, each one Triton kernel on CUDA where eager torch runs a chain of
-kernels (casts, a reduction, halves swapped and negated, products, sums), each a pass over
-memory; behind one dispatch per function, with the torch chain as the reference.
+"""Fused elementwise work of a decode step: RMSNorm, the rotary embedding (of queries and keys
+in one launch where they lie side by side), SwiGLU's silu(gate) * up, and one token's keys and
+values stored into a token-major cache at a position held on the device. Each is one Triton
+kernel on CUDA where eager torch runs a chain of kernels (casts, a reduction, halves swapped
+and negated, products, sums, a stack and an indexed copy), each a pass over memory or at least
+a launch; behind one dispatch per function, with the torch chain as the reference.
 
 Knows: the math of each chain and where the chain rounds to the activations' dtype; the
-kernels round at the same places, so they give the chain's values (up to the float32
-summation order of RMSNorm's mean and the last float32 bit of silu's exponential, below half
-a float16 step). Knows that Triton kernels carry no autograd: the dispatch takes the torch
+kernels round at the same places, so they give the chain's values up to one rounding step
+(the float32 summation order of RMSNorm's mean, the last float32 bit of silu's exponential,
+the GPU compiler contracting a product into a sum). Knows that Triton kernels carry no autograd: the dispatch takes the torch
 chain wherever a gradient may be asked for, and off CUDA.
 Does not know: layers, caches, which model calls it.
 """
@@ -66,6 +68,31 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     if _fused(x, cos, sin) and rotate_fits(x, cos, sin):
         return rotate_triton(x, cos, sin)
     return rotate_ref(x, cos, sin)
+
+
+def rotate_pair(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rotate(q), rotate(k): one launch where k's heads follow q's in memory with the same strides
+    (the query and key columns of one projection's output)."""
+    if _fused(q, k, cos, sin) and q.stride() == k.stride() and q.shape[0] == k.shape[0] \
+            and q.shape[2:] == k.shape[2:] and q.dtype == k.dtype \
+            and k.data_ptr() == q.data_ptr() + q.shape[1] * q.stride(1) * q.element_size():
+        both = q.as_strided((q.shape[0], q.shape[1] + k.shape[1], *q.shape[2:]), q.stride())
+        if rotate_fits(both, cos, sin):
+            out = rotate_triton(both, cos, sin)
+            return out[:, :q.shape[1]], out[:, q.shape[1]:]
+    return rotate(q, cos, sin), rotate(k, cos, sin)
+
+
+def store_token(cache: torch.Tensor, t: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """cache[t, :, 0] = k, cache[t, :, 1] = v for a token-major cache (T, rows, 2, kv_heads, d) and
+    one token's k, v (rows, kv_heads, 1, d); t is a (1,) int64 tensor on the cache's device (a
+    CUDA graph replays the store at every position)."""
+    if _fused(cache, k, v) and cache.is_contiguous() and k.stride(-1) == 1 and v.stride(-1) == 1 \
+            and k.dtype == v.dtype == cache.dtype:
+        store_token_triton(cache, t, k, v)
+        return
+    cache.index_copy_(0, t, torch.stack((k, v), dim=1).permute(3, 0, 1, 2, 4))
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -130,6 +157,18 @@ if HAVE_TRITON:
         tl.store(yp + HALF, o2, mask=keep)
 
     @triton.jit
+    def _store_kernel(CACHE, T_AT, K, V, skr, skh, svr, svh, D: tl.constexpr):
+        r = tl.program_id(0)
+        h = tl.program_id(1)
+        rows = tl.num_programs(0)
+        heads = tl.num_programs(1)
+        t = tl.load(T_AT)
+        offs = tl.arange(0, D)
+        dst = CACHE + ((t * rows + r) * 2 * heads + h) * D + offs  # (T, rows, 2, heads, D) at [t, r, 0, h]
+        tl.store(dst, tl.load(K + r * skr + h * skh + offs))
+        tl.store(dst + heads * D, tl.load(V + r * svr + h * svh + offs))
+
+    @triton.jit
     def _silu_mul_kernel(G, U, Y, N, sg, su, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -160,6 +199,15 @@ def rotate_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
         _rotary_kernel[(b * L, triton.cdiv(H, hb))](x, cos, sin, out, H, L, x.stride(0), x.stride(1), x.stride(2),
                                                     cos.stride(0), cos.stride(2), HB=hb, HALF=d // 2)
     return out.transpose(1, 2)
+
+
+def store_token_triton(cache: torch.Tensor, t: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """The store kernel (head_dim a power of two; other sizes take the torch chain)."""
+    rows, heads, _, d = k.shape
+    if d & (d - 1):
+        cache.index_copy_(0, t, torch.stack((k, v), dim=1).permute(3, 0, 1, 2, 4))
+        return
+    _store_kernel[(rows, heads)](cache, t, k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), D=d)
 
 
 def silu_mul_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

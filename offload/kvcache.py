@@ -17,6 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
+from flexoff.kernels.elementwise import store_token
 from flexoff.models.spec import ModelSpec
 from flexoff.offload.lanes import Event, Lanes, Tracked
 from flexoff.offload.mover import Mover, Span, span_of
@@ -56,8 +57,7 @@ class PlainKV:
         """Store one token's k, v (rows, kv_heads, 1, head_dim) at position t, a (1,) int64 tensor
         on the buffer's device (no host value: a CUDA graph replays it at every position), in a
         buffer laid out for `tokens` positions."""
-        x = self._view(buf, rows, tokens)  # (tokens, rows, 2, kvh, d)
-        x.index_copy_(0, t, torch.stack((k, v), dim=1).permute(3, 0, 1, 2, 4))
+        store_token(self._view(buf, rows, tokens), t, k, v)  # (tokens, rows, 2, kvh, d) at [t]
 
     def read(self, buf: torch.Tensor, rows: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of tokens 0 .. t as strided (rows, kv_heads, t, head_dim) views."""

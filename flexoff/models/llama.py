@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from flexoff.errors import ModelError
-from flexoff.kernels.elementwise import rms_norm, rotate, silu_mul
+from flexoff.kernels.elementwise import rms_norm, rotate_pair, silu_mul
 from flexoff.models.base import LayerSpec, TensorSpec, Weights, linear, linears
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
@@ -239,7 +239,8 @@ class Llama:
                    for y, n in zip(linears(x, [w[f"{p}.weight"] for p in names], [w.get(f"{p}.bias") for p in names]),
                                    (self.num_heads, self.num_kv_heads, self.num_kv_heads)))
         cos, sin = self.rope(pos, h.dtype)
-        return rotate(q, cos, sin), rotate(k, cos, sin), v
+        q, k = rotate_pair(q, k, cos, sin)
+        return q, k, v
 
     def attn_out(self, w: Weights, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         b, _, s, _ = o.shape

@@ -86,6 +86,53 @@ def test_dispatch_on_cuda_gives_the_chains_values():
     q = qkv[..., :4096].view(4, 3, 32, 128).transpose(1, 2)
     ang = torch.rand(4, 1, 3, 64, device=dev) * 100
     cos, sin = (torch.cat((f, f), -1).half() for f in (ang.cos(), ang.sin()))
-    assert torch.equal(E.rotate(q, cos, sin), E.rotate_ref(q, cos, sin))
+    assert close(E.rotate(q, cos, sin), E.rotate_ref(q, cos, sin), torch.float16)  # the compiler may contract
+    k = qkv[..., 4096:8192].view(4, 3, 32, 128).transpose(1, 2)
+    rq, rk = E.rotate_pair(q, k, cos, sin)
+    assert close(rq, E.rotate_ref(q, cos, sin), torch.float16) and close(rk, E.rotate_ref(k, cos, sin), torch.float16)
+    cache = torch.zeros(9, 4, 2, 32, 128, device=dev, dtype=torch.float16)
+    E.store_token(cache, torch.tensor([5], device=dev), k[:, :, :1], q[:, :, :1])
+    assert torch.equal(cache[5, :, 0], k[:, :, 0]) and torch.equal(cache[5, :, 1], q[:, :, 0])
+    assert not cache[:5].any() and not cache[6:].any()
     gate, up = torch.randn(4, 3, 2 * 11008, device=dev, dtype=torch.float16).split([11008, 11008], dim=-1)
     assert close(E.silu_mul(gate, up), E.silu_mul_ref(gate, up), torch.float16)
+
+
+@pytest.fixture
+def cuda_dispatch(monkeypatch):
+    """The dispatch functions take their kernels for CPU tensors (run by the interpreter)."""
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+
+
+@pytest.mark.parametrize("heads,kvh", [(4, 2), (6, 6)])
+def test_rotate_pair_rotates_adjacent_queries_and_keys_in_one_launch(heads, kvh, cuda_dispatch, monkeypatch):
+    torch.manual_seed(heads)
+    b, L, d = 3, 2, 16
+    qkv = torch.randn(b, L, (heads + 2 * kvh) * d).half()
+    q, k, _ = qkv.split([heads * d, kvh * d, kvh * d], dim=-1)
+    q, k = q.view(b, L, heads, d).transpose(1, 2), k.view(b, L, kvh, d).transpose(1, 2)
+    ang = torch.rand(b, 1, L, d // 2) * 50
+    cos, sin = (torch.cat((f, f), dim=-1).half() for f in (ang.cos(), ang.sin()))
+    launches = []
+    real = E.rotate_triton
+    monkeypatch.setattr(E, "rotate_triton", lambda *a: launches.append(a[0].shape) or real(*a))
+    with torch.no_grad():
+        rq, rk = E.rotate_pair(q, k, cos, sin)
+        assert launches == [(b, heads + kvh, L, d)]
+        assert torch.equal(rq, E.rotate_ref(q, cos, sin)) and torch.equal(rk, E.rotate_ref(k, cos, sin))
+        E.rotate_pair(q, k.clone(), cos, sin)  # apart in memory: one launch each
+    assert launches[1:] == [(b, heads, L, d), (b, kvh, L, d)]
+
+
+@pytest.mark.parametrize("d", [16, 12])
+def test_store_token_writes_one_position_of_a_token_major_cache(d, cuda_dispatch):
+    torch.manual_seed(d)
+    T, rows, kvh = 7, 3, 2
+    cache = torch.randn(T, rows, 2, kvh, d).half()
+    want = cache.clone()
+    kv = torch.randn(rows, 1, 2 * kvh * d).half()  # one projection's k and v columns, as views
+    k, v = (x.view(rows, 1, kvh, d).transpose(1, 2) for x in kv.split([kvh * d, kvh * d], dim=-1))
+    t = torch.tensor([4])
+    E.store_token(cache, t, k, v)
+    want[4, :, 0], want[4, :, 1] = k[:, :, 0], v[:, :, 0]
+    assert torch.equal(cache, want)
