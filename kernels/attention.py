@@ -26,11 +26,12 @@ except ImportError:  # CPU-only installs without triton use the reference
     HAVE_TRITON = False
 
 # Launch settings measured on the H200 (benchmarks/layer_kernels.py, LLaMA-7B heads, 528 positions):
-# two warps a program read the token-major cache at 1.7, 3.0 and 3.7 TB/s at batch 8, 32 and 128
-# (four warps: 1.3, 2.2, 2.8); the launch order of rows and heads made no difference.
-BLOCK_T = 64  # positions a program reads per iteration
+# one warp a program, 32 positions an iteration, read the token-major cache at 2.1, 3.4 and 4.1 TB/s
+# at batch 8, 32 and 128, as fast as torch's attention reads a head-major copy (2.2, 3.3, 4.1);
+# four warps and 64 positions (the first settings) read it at 1.3, 2.2 and 2.8.
+BLOCK_T = 32  # positions a program reads per iteration
 TARGET_PROGRAMS = 2048  # (row, head, chunk) programs to aim for: enough to keep every SM streaming
-WARPS = 2
+WARPS = 1
 
 
 def decode_attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,

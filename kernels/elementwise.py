@@ -7,8 +7,9 @@ a launch; behind one dispatch per function, with the torch chain as the referenc
 
 Knows: the math of each chain and where the chain rounds to the activations' dtype; the
 kernels round at the same places, so they give the chain's values up to one rounding step
-(the float32 summation order of RMSNorm's mean, the last float32 bit of silu's exponential,
-the GPU compiler contracting a product into a sum). Knows that Triton kernels carry no autograd: the dispatch takes the torch
+(the float32 summation order of RMSNorm's mean, the last float32 bit of silu's exponential);
+the rotary kernel is compiled without contracting products into sums, so it gives the chain's
+values exactly. Knows that Triton kernels carry no autograd: the dispatch takes the torch
 chain wherever a gradient may be asked for, and off CUDA.
 Does not know: layers, caches, which model calls it.
 """
@@ -197,7 +198,8 @@ def rotate_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     if out.numel():
         hb = min(triton.next_power_of_2(H), max(1, ROTARY_ELEMENTS // d))
         _rotary_kernel[(b * L, triton.cdiv(H, hb))](x, cos, sin, out, H, L, x.stride(0), x.stride(1), x.stride(2),
-                                                    cos.stride(0), cos.stride(2), HB=hb, HALF=d // 2)
+                                                    cos.stride(0), cos.stride(2), HB=hb, HALF=d // 2,
+                                                    enable_fp_fusion=False)  # no contraction: the chain's roundings
     return out.transpose(1, 2)
 
 
