@@ -47,6 +47,8 @@
 #   PHASE=N bash benchmarks/device_measure.sh OUT   # (TESTS=1: GPU tests;) decode attention launch settings and the fused
 #                                                   # elementwise kernels (layer_kernels.py); resident llama-7b
 #                                                   # with fused kernels on and off (resident.py)
+#   PHASE=O bash benchmarks/device_measure.sh OUT   # 1000-adapter population on resident llama-7b; OPT-30B
+#                                                   # 512+32, 16 GiB GPU: auto and auto+c against prediction
 #   PHASE=P bash benchmarks/device_measure.sh OUT   # (2 GPUs) pipeline stages: OPT-1.3B on 1 and 2 GPUs
 #                                                   # (NCCL, same tokens); OPT-66B 512+32, 16 GiB per GPU,
 #                                                   # --policy auto, on 2 GPUs then 1, in one run
@@ -246,6 +248,14 @@ PY
      echo "=== resident llama-7b ($(date +%T))"
      timeout ${RESIDENT_S:-300} python3 benchmarks/resident.py ${RESIDENT_ARGS:-} --out "$OUT/resident.jsonl" >"$OUT/resident.log" 2>&1
      grep -v "^\s*$" "$OUT/resident.log" | tail -30 ;;
+  O) echo "=== lora population, resident llama-7b ($(date +%T))"
+     timeout ${LORA_S:-220} python3 benchmarks/lora.py --parts population --out "$OUT/lora-population.jsonl" \
+       >"$OUT/lora.log" 2>&1
+     grep -v "^\s*$" "$OUT/lora.log" | tail -8
+     echo "=== opt-30b auto, auto+c ($(date +%T))"
+     timeout ${OPT_S:-360} python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW --policy auto \
+       --policy auto+c --out "$OUT/opt30b" >"$OUT/opt30b.log" 2>&1
+     grep -v "^\s*$" "$OUT/opt30b.log" | grep -v "^---" | tail -6 ;;
   P) # the H200 profile with this host's memory (the profile was measured on a one-GPU host)
      python3 -c "import json; d = json.load(open('$HW')); \
        d['cpu_mem'] = 0.95 * 1024 * int(open('/proc/meminfo').readline().split()[1]); \
