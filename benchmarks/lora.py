@@ -106,7 +106,8 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     with llm() as m:
         without = plan(m, None)
-        m.generate(prompts, max_new_tokens=2, policy=without)  # engine made; graphs captured
+        # engine made at the timed runs' size, graphs captured (a shorter warm-up left both to the timed run)
+        m.generate(prompts, max_new_tokens=args.gen_len, policy=without)
         out = [record("flexoff", "no-lora", rows, args.gen_len, *timed(m, prompts, args.gen_len, None, policy=without),
                       policy=m.last_policy.describe())]
     gc.collect()
@@ -116,7 +117,7 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
             m.add_adapter(random_adapter(f"a{d}", spec, RANKS[rank_of[d]], d, torch.device("cuda"), torch.float16))
         made = time.perf_counter() - t0
         with_lora = plan(m, names)
-        m.generate(prompts, max_new_tokens=2, adapters=names, policy=with_lora)
+        m.generate(prompts, max_new_tokens=args.gen_len, adapters=names, policy=with_lora)
         runs = [("warm", timed(m, prompts, args.gen_len, names, policy=with_lora))]
         if not args.skip_cold:  # every adapter copied again
             runs.append(("cold", timed(m, prompts, args.gen_len, names, m.adapter_pool().drop_cache, policy=with_lora)))
@@ -181,7 +182,7 @@ def peft_part(args: argparse.Namespace) -> list[dict[str, Any]]:
         prompts = [{"id": str(r), "prompt_ids": ids[r].tolist()} for r in range(batch)]
         fl = {"no-lora": None, "one-adapter": ["a0"] * batch, "distinct": [f"a{i}" for i in range(batch)]}
         for names in fl.values():  # graphs captured before anything is timed
-            llm.generate(prompts, max_new_tokens=2, adapters=names)
+            llm.generate(prompts, max_new_tokens=n, adapters=names)
         for v, names in fl.items():
             out.append(record("flexoff", v, batch, n, *timed(llm, prompts, n, names)))
     for r in out:
