@@ -89,8 +89,9 @@ def store_token(cache: torch.Tensor, t: torch.Tensor, k: torch.Tensor, v: torch.
     """cache[t, :, 0] = k, cache[t, :, 1] = v for a token-major cache (T, rows, 2, kv_heads, d) and
     one token's k, v (rows, kv_heads, 1, d); t is a (1,) int64 tensor on the cache's device (a
     CUDA graph replays the store at every position)."""
+    d = k.shape[-1]
     if _fused(cache, k, v) and cache.is_contiguous() and k.stride(-1) == 1 and v.stride(-1) == 1 \
-            and k.dtype == v.dtype == cache.dtype:
+            and k.dtype == v.dtype == cache.dtype and d & (d - 1) == 0:
         store_token_triton(cache, t, k, v)
         return
     cache.index_copy_(0, t, torch.stack((k, v), dim=1).permute(3, 0, 1, 2, 4))
@@ -204,11 +205,8 @@ def rotate_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
 
 
 def store_token_triton(cache: torch.Tensor, t: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """The store kernel (head_dim a power of two; other sizes take the torch chain)."""
+    """The store kernel (head_dim a power of two)."""
     rows, heads, _, d = k.shape
-    if d & (d - 1):
-        cache.index_copy_(0, t, torch.stack((k, v), dim=1).permute(3, 0, 1, 2, 4))
-        return
     _store_kernel[(rows, heads)](cache, t, k, v, k.stride(0), k.stride(1), v.stride(0), v.stride(1), D=d)
 
 
