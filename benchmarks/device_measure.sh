@@ -49,6 +49,9 @@
 #                                                   # with fused kernels on and off (resident.py)
 #   PHASE=O bash benchmarks/device_measure.sh OUT   # 1000-adapter population on resident llama-7b; OPT-30B
 #                                                   # 512+32, 16 GiB GPU: auto and auto+c against prediction
+#   PHASE=S bash benchmarks/device_measure.sh OUT   # where OPT-30B's offloaded time goes: a prefill timeline of
+#                                                   # auto+c's policy, auto's decode at several CPU-attention
+#                                                   # settings (engine_settings.py), both on cut models
 #   PHASE=P bash benchmarks/device_measure.sh OUT   # (2 GPUs) pipeline stages: OPT-1.3B on 1 and 2 GPUs
 #                                                   # (NCCL, same tokens); OPT-66B 512+32, 16 GiB per GPU,
 #                                                   # --policy auto, on 2 GPUs then 1, in one run
@@ -256,6 +259,16 @@ PY
      timeout ${OPT_S:-360} python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW --policy auto \
        --policy auto+c --out "$OUT/opt30b" >"$OUT/opt30b.log" 2>&1
      grep -v "^\s*$" "$OUT/opt30b.log" | grep -v "^---" | tail -6 ;;
+  S) echo "=== prefill timeline, ${AUTOC:=48x8:0,100,8.33,91.67,0,100:wk}, OPT-30B cut to 8 blocks ($(date +%T))"
+     timeout ${TIMELINE_S:-200} python3 benchmarks/timeline.py --model dummy:opt-30b --layers 8 --prompt-len 512 \
+       --gen-len 2 --gpu-mem 16GiB --cpu-mem 100GiB --hardware $HW --policy "$AUTOC" --window prefill \
+       --out "$OUT/prefill" >"$OUT/prefill.log" 2>&1
+     grep -v "^\s*$" "$OUT/prefill.log" | grep -v "^USDT\|^---" | tail -45
+     echo "=== decode settings, ${AUTO:=24x3:0,100,16.67,79.17,25,75:a}, OPT-30B cut to 12 blocks ($(date +%T))"
+     timeout ${SETTINGS_S:-300} python3 benchmarks/engine_settings.py --model dummy:opt-30b --layers 12 \
+       --gpu-mem 16GiB --cpu-mem 100GiB --hardware $HW --policy "$AUTO" ${SETTINGS:---set FLEXOFF_CPU_THREADS=8 \
+       --set default --set FLEXOFF_CPU_THREADS=16} --out "$OUT/settings" >"$OUT/settings.log" 2>&1
+     grep -v "^\s*$" "$OUT/settings.log" | grep -v "^---" | tail -8 ;;
   P) # the H200 profile with this host's memory (the profile was measured on a one-GPU host)
      python3 -c "import json; d = json.load(open('$HW')); \
        d['cpu_mem'] = 0.95 * 1024 * int(open('/proc/meminfo').readline().split()[1]); \

@@ -4,10 +4,12 @@
         --cpu-mem 100GiB --policy "24x2:0,100,0,100,100,0:a" [--hardware FILE] [--out benchmarks/out]
 
 The policy runs once to set up (weights placed, buffers pinned), then once more under the profiler.
-Over the decode window (from the end of the prefill's token step to the last event) it reports how
-busy each direction of the host-device link, each GPU stream and each CPU thread was, the
-longest gaps in host-to-device copies, and how long each stream's copies waited to start. Writes OUT/trace-summary.json and, when small enough,
-OUT/trace.json.gz (open it in chrome://tracing or Perfetto).
+Over the decode window (from the end of the prefill's token step to the last event; with `--window
+prefill`, up to it) it reports how busy each direction of the host-device link, each GPU stream and
+each CPU thread was, the longest gaps in host-to-device copies, how long each stream's copies
+waited to start, and the kernels that took the most GPU time. `--layers N` cuts the model to its
+first N blocks. Writes OUT/trace-summary.json and, when small enough, OUT/trace.json.gz (open it
+in chrome://tracing or Perfetto).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 import torch
 
 from common import environment, table, write_jsonl
+from memcheck import cut_model
 from throughput import Bench, parse_policy
 
 from flexoff.offload.lanes import LANE_MARK, mark_lanes
@@ -49,9 +52,11 @@ def busy(spans: list[tuple[float, float]]) -> float:
     return sum(b - a for a, b in union(spans))
 
 
-def summarize(trace: dict[str, Any]) -> dict[str, Any]:
-    """Busy fractions per link direction, GPU stream and CPU thread over the decode window, and
-    the longest host-to-device idle gaps (microseconds, from the window's start)."""
+def summarize(trace: dict[str, Any], window: str = "decode") -> dict[str, Any]:
+    """Busy fractions per link direction, GPU stream and CPU thread over the window (decode: from
+    the end of the prefill's token step to the last event; prefill: up to that end), the longest
+    host-to-device idle gaps (microseconds, from the window's start) and the GPU kernels that
+    took the most time in it."""
     events = trace.get("traceEvents", [])
     names = {e["tid"]: e["args"]["name"] for e in events
              if e.get("ph") == "M" and e.get("name") == "thread_name" and "args" in e}
@@ -62,8 +67,8 @@ def summarize(trace: dict[str, Any]) -> dict[str, Any]:
     marks = sorted(e["ts"] + e["dur"] for e in spans if str(e.get("name", "")).startswith("flexoff: token step 0"))
     if not spans:
         return {"error": "no events recorded"}
-    lo = marks[0] if marks else min(e["ts"] for e in spans)
-    hi = max(e["ts"] + e["dur"] for e in spans)
+    first, last = min(e["ts"] for e in spans), max(e["ts"] + e["dur"] for e in spans)
+    lo, hi = (first, marks[0] if marks else last) if window == "prefill" else (marks[0] if marks else first, last)
     width = max(hi - lo, 1e-9)
     groups: dict[str, list[tuple[float, float]]] = {}
     for e in spans:
@@ -83,9 +88,16 @@ def summarize(trace: dict[str, Any]) -> dict[str, Any]:
             for k, v in sorted(groups.items())]
     h2d = union(clip(groups.get("link host to device", []), lo, hi))
     gaps = sorted(((b[0] - a[1], a[1] - lo) for a, b in zip(h2d, h2d[1:])), reverse=True)[:10]
-    return {"window_us": width, "rows": rows,
+    kernels: dict[str, float] = {}
+    for e in spans:
+        if e.get("cat") == "kernel" and lo <= e["ts"] < hi:
+            name = str(e.get("name", ""))[:80]
+            kernels[name] = kernels.get(name, 0.0) + e["dur"]
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
+    return {"window": window, "window_us": width, "rows": rows,
             "h2d_gaps_us": [{"gap": g, "at": at} for g, at in gaps],
-            "copy_waits_us": copy_waits(events, lo, hi)}
+            "copy_waits_us": copy_waits(events, lo, hi),
+            "kernels_us": [{"kernel": k, "us": v, "share": v / width} for k, v in top]}
 
 
 def copy_waits(events: list[dict[str, Any]], lo: float, hi: float) -> list[dict[str, Any]]:
@@ -125,13 +137,17 @@ def main() -> int:
     ap.add_argument("--gpu-mem", default=None)
     ap.add_argument("--cpu-mem", default=None)
     ap.add_argument("--hardware", default=None)
+    ap.add_argument("--layers", type=int, default=None, help="cut the model to its first LAYERS blocks")
+    ap.add_argument("--window", choices=("decode", "prefill"), default="decode")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     args = ap.parse_args()
     from torch.profiler import ProfilerActivity, profile
 
     from flexoff.cli import parse_size
 
-    bench = Bench(args.model, parse_size(args.gpu_mem), parse_size(args.cpu_mem), None, args.hardware, "auto",
+    cut = tempfile.TemporaryDirectory()
+    model = cut_model(args.model, args.layers, Path(cut.name)) if args.layers else args.model
+    bench = Bench(model, parse_size(args.gpu_mem), parse_size(args.cpu_mem), None, args.hardware, "auto",
                   "auto", None)
     try:
         policy = bench.resolve(parse_policy(args.policy), args.prompt_len, args.gen_len, None)
@@ -148,22 +164,24 @@ def main() -> int:
         mark_lanes(False)
     finally:
         bench.close()
+        cut.cleanup()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         raw = path.read_bytes()
-    summary = summarize(json.loads(raw))
+    summary = summarize(json.loads(raw), args.window)
     args.out.mkdir(parents=True, exist_ok=True)
     packed = gzip.compress(raw)
     if len(packed) <= MAX_TRACE:
         (args.out / "trace.json.gz").write_bytes(packed)
     record = {**environment(), "policy": policy.describe(), "prompt_len": args.prompt_len, "gen_len": args.gen_len,
-              **summary}
+              "layers": args.layers, **summary}
     write_jsonl(args.out / "trace-summary.jsonl", [record])
-    print(f"{policy.describe()}: decode window {summary.get('window_us', 0) / 1e3:.1f} ms")
+    print(f"{policy.describe()}: {args.window} window {summary.get('window_us', 0) / 1e3:.1f} ms")
     print(table(summary.get("rows", []), ["what", "busy", "events"]))
     print(table(summary.get("h2d_gaps_us", []), ["gap", "at"]))
     print(table(summary.get("copy_waits_us", []), ["stream", "copy", "copies", "median", "mean", "max"]))
+    print(table(summary.get("kernels_us", []), ["kernel", "us", "share"]))
     return 0
 
 
