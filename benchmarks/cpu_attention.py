@@ -7,6 +7,13 @@ machine's memory bandwidth. Decides how flexoff lays out rows that CPU attention
 --contention measures, for each CPU-attention thread count, attention alone, and attention and
 pinned host-to-device copies (the engine's weight stream) running at the same time: both draw on
 host memory bandwidth.
+
+    python benchmarks/cpu_attention.py --rows 19 --tokens 528 --neighbours 12   # needs CUDA
+
+--neighbours THREADS runs the engine's own call (`attend_cached` over a HeadMajorKV cache in
+registered host memory, a new token written per call) on THREADS threads beside what runs next
+to it in an offloaded decode: host-to-device copies, and other threads waiting on the GPU, either
+spinning (a CUDA event's default synchronize) or sleeping (a blocking event).
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -85,6 +93,81 @@ def contention(threads: list[int], b: int, h: int, d: int, t: int, seconds: floa
     return rows
 
 
+def neighbours(nthreads: int, b: int, h: int, d: int, t: int, waiters: int = 3,
+               seconds: float = 1.5) -> list[dict]:
+    """The engine's CPU-attention call's KV GB/s beside copies and waiting threads (see the module)."""
+    from flexoff.models.attention import attend, attend_cached
+    from flexoff.offload.kvcache import HeadMajorKV
+    from flexoff.offload.tiers import pinned_empty
+
+    gen = 32
+    codec = HeadMajorKV(h, d, torch.float16, t, gen)
+    owner = type("Owner", (), {})()
+    buf = pinned_empty(b * t * codec.rec_bytes + b * gen * codec.rec_bytes, torch.uint8, owner)
+    buf.view(torch.float16).normal_()
+    prompt, generated = codec.prompt(buf, b, t), codec.generated(buf, b, b)
+    plain = torch.randn(2, b, h, t, d).half()
+    q, new = torch.randn(b, h, 1, d).half(), (torch.randn(b, h, 1, d).half(), torch.randn(b, h, 1, d).half())
+    mask = torch.ones(b, 1, t + 1, dtype=torch.bool)
+    kv_bytes = 2 * b * h * t * d * 2
+    src = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    calls = {"attend, plain memory": lambda: attend(q, plain[0], plain[1], mask[..., :t], d**-0.5),
+             "attend_cached, registered": lambda: attend_cached(q, prompt, generated, new, 0, mask, d**-0.5)}
+
+    def copies(stop: threading.Event) -> None:
+        stream = torch.cuda.Stream()
+        while not stop.is_set():
+            with torch.cuda.stream(stream):
+                for off in range(0, src.numel(), 32 << 20):
+                    dst[off:off + (32 << 20)].copy_(src[off:off + (32 << 20)], non_blocking=True)
+            stream.synchronize()
+
+    def waiter(blocking: bool) -> Callable[[threading.Event], None]:
+        def run(stop: threading.Event) -> None:  # waits on GPU work that takes about 2 ms, again and again
+            stream = torch.cuda.Stream()
+            while not stop.is_set():
+                with torch.cuda.stream(stream):
+                    torch.cuda._sleep(2_000_000)
+                    ev = torch.cuda.Event(blocking=blocking)
+                    ev.record()
+                ev.synchronize()
+        return run
+
+    def rate(fn: Callable[[], Any], side: list[Callable[[threading.Event], None]]) -> float:
+        stop = threading.Event()
+        others = [threading.Thread(target=f, args=(stop,)) for f in side]
+        for th in others:
+            th.start()
+        res: list = []
+
+        def attention() -> None:
+            torch.set_num_threads(nthreads)
+            fn()
+            n, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                fn()
+                n += 1
+            res.append(n * kv_bytes / (time.perf_counter() - t0) / 1e9)
+        th = threading.Thread(target=attention)
+        th.start()
+        th.join()
+        stop.set()
+        for o in others:
+            o.join()
+        return res[0]
+
+    rows = []
+    for name, fn in calls.items():
+        for beside, side in (("nothing", []), ("h2d copies", [copies]),
+                             (f"{waiters} spinning waiters", [waiter(False)] * waiters),
+                             (f"{waiters} sleeping waiters", [waiter(True)] * waiters),
+                             (f"h2d copies, {waiters} spinning waiters", [copies] + [waiter(False)] * waiters),
+                             (f"h2d copies, {waiters} sleeping waiters", [copies] + [waiter(True)] * waiters)):
+            rows.append({"call": name, "beside": beside, "threads": nthreads, "GB/s": rate(fn, side)})
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=48)
@@ -93,10 +176,19 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=544)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     ap.add_argument("--contention", default=None, metavar="THREADS", help="e.g. 4,8,12,16 (needs CUDA)")
+    ap.add_argument("--neighbours", type=int, default=None, metavar="THREADS", help="e.g. 12 (needs CUDA)")
+    ap.add_argument("--waiters", type=int, default=3)
     args = ap.parse_args()
     from flexoff.models.attention import attend
 
     b, h, d, t = args.rows, args.heads, args.head_dim, args.tokens
+    if args.neighbours:
+        rows = neighbours(args.neighbours, b, h, d, t, args.waiters)
+        print(f"{b} rows x {h} heads x {t} tokens x {d}, fp16")
+        print(table(rows, ["call", "beside", "threads", "GB/s"]))
+        write_jsonl(args.out / "neighbours.jsonl", [{**environment(), **vars(args), "out": str(args.out), **r}
+                                                   for r in rows])
+        return 0
     if args.contention:
         rows = contention([int(x) for x in args.contention.split(",")], b, h, d, t)
         cols = ["threads", "attention alone GB/s", "attention with h2d GB/s", "h2d alone GB/s",

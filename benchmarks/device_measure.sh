@@ -49,7 +49,8 @@
 #                                                   # with fused kernels on and off (resident.py)
 #   PHASE=O bash benchmarks/device_measure.sh OUT   # 1000-adapter population on resident llama-7b; OPT-30B
 #                                                   # 512+32, 16 GiB GPU: auto and auto+c against prediction
-#   PHASE=S bash benchmarks/device_measure.sh OUT   # where OPT-30B's offloaded time goes: a prefill timeline of
+#   PHASE=S bash benchmarks/device_measure.sh OUT   # where OPT-30B's offloaded time goes: CPU attention beside
+#                                                   # copies and waiting threads; a prefill timeline of
 #                                                   # auto+c's policy, auto's decode at several CPU-attention
 #                                                   # settings (engine_settings.py), both on cut models
 #   PHASE=P bash benchmarks/device_measure.sh OUT   # (2 GPUs) pipeline stages: OPT-1.3B on 1 and 2 GPUs
@@ -259,7 +260,9 @@ PY
      timeout ${OPT_S:-360} python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW --policy auto \
        --policy auto+c --out "$OUT/opt30b" >"$OUT/opt30b.log" 2>&1
      grep -v "^\s*$" "$OUT/opt30b.log" | grep -v "^---" | tail -6 ;;
-  S) echo "=== prefill timeline, ${AUTOC:=48x8:0,100,8.33,91.67,0,100:wk}, OPT-30B cut to 8 blocks ($(date +%T))"
+  S) echo "=== CPU attention beside copies and waiting threads ($(date +%T))"
+     timeout 120 python3 benchmarks/cpu_attention.py --rows 19 --tokens 528 --neighbours 12 --out "$OUT" 2>&1 | tail -14
+     echo "=== prefill timeline, ${AUTOC:=48x8:0,100,8.33,91.67,0,100:wk}, OPT-30B cut to 8 blocks ($(date +%T))"
      timeout ${TIMELINE_S:-200} python3 benchmarks/timeline.py --model dummy:opt-30b --layers 8 --prompt-len 512 \
        --gen-len 2 --gpu-mem 16GiB --cpu-mem 100GiB --hardware $HW --policy "$AUTOC" --window prefill \
        --out "$OUT/prefill" >"$OUT/prefill.log" 2>&1

@@ -54,17 +54,19 @@ def quantize_rows(rows: torch.Tensor, cfg: QuantConfig) -> tuple[torch.Tensor, t
 
 
 def qmatmul_ref(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, cfg: QuantConfig,
-                n: int) -> torch.Tensor:
-    """x (m, k) @ W (k, n), W given as k packed rows: dequantize, then matmul."""
+                n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x (m, k) @ W (k, n) (+ bias (n,)), W given as k packed rows: dequantize, then matmul. The
+    bias goes into the matmul (added before its one rounding, and without a broadcast pass over
+    the output, which at a prefill's rows cost as much as a third of the matmul)."""
     w = dequantize_rows(data, scale, mn, cfg, x.dtype)[:, :n]
-    return x @ w
+    return x @ w if bias is None else torch.addmm(bias, x, w)
 
 
 def qmatmul(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, cfg: QuantConfig,
-            n: int) -> torch.Tensor:
+            n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     if _use_triton(x) and x.shape[0] <= FUSED_MAX_ROWS:
-        return qmatmul_triton(x, data, scale, mn, cfg, n)
-    return qmatmul_ref(x, data, scale, mn, cfg, n)
+        return qmatmul_triton(x, data, scale, mn, cfg, n, bias)
+    return qmatmul_ref(x, data, scale, mn, cfg, n, bias)
 
 
 # ---- Triton ------------------------------------------------------------------
@@ -252,13 +254,14 @@ def quantize_rows_triton(rows: torch.Tensor, cfg: QuantConfig) -> tuple[torch.Te
 
 
 def qmatmul_triton(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, cfg: QuantConfig,
-                   n: int, **tile: int) -> torch.Tensor:
-    """x (m, k) @ W (k, n) with W's 4-bit rows dequantized in registers; m up to 64. Other
-    formats (8 bits, groups the tiles cannot hold) dequantize first."""
+                   n: int, bias: torch.Tensor | None = None, **tile: int) -> torch.Tensor:
+    """x (m, k) @ W (k, n) (+ bias, added in float32 before the one rounding) with W's 4-bit rows
+    dequantized in registers; m up to 64. Other formats (8 bits, groups the tiles cannot hold)
+    dequantize first."""
     t = {**QMATMUL_TILE, **tile}
     HB, BK = t["HB"], t["BK"]  # byte columns (2 * HB outputs) and rows of W per step
     if not _fast4(cfg, 2 * HB):
-        return qmatmul_ref(x, data, scale, mn, cfg, n)
+        return qmatmul_ref(x, data, scale, mn, cfg, n, bias)
     x, data, scale, mn = _rows_ok(x), _rows_ok(data), _rows_ok(scale), _rows_ok(mn)
     M, K = x.shape
     assert data.shape[0] == K and M <= 64  # the kernel's limit; dispatch uses it up to FUSED_MAX_ROWS
@@ -273,4 +276,5 @@ def qmatmul_triton(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, mn:
     _qmatmul4_kernel[grid](x, data, scale, mn, y, M, NB, K, x.stride(0), data.stride(0), scale.stride(0),
                            y.stride(0), k_split, GROUP=cfg.group, BM=BM, HB=HB, BK=BK, num_warps=t["num_warps"],
                            num_stages=t["num_stages"])
-    return y[:, :n].to(x.dtype)
+    y = y[:, :n]
+    return (y if bias is None else y + bias).to(x.dtype)

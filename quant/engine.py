@@ -18,7 +18,7 @@ import torch
 from flexoff.kernels.quant import dequantize_rows, qmatmul, quantize_rows
 from flexoff.models.base import LayerSpec
 from flexoff.models.spec import ModelSpec
-from flexoff.offload.kvcache import PlainKV
+from flexoff.offload.kvcache import PlainKV, records
 from flexoff.offload.layout import PlainFormat
 from flexoff.policy.policy import Policy
 from flexoff.quant.format import QuantConfig, from_rows, part_shapes, quantize_in_pieces, to_rows
@@ -41,9 +41,8 @@ class QWeight:
 
     def linear(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
         lead = x.shape[:-1]
-        y = qmatmul(x.reshape(-1, x.shape[-1]), self.data, self.scale, self.mn, self.cfg, self.shape[0])
-        y = y.view(*lead, self.shape[0])
-        return y + b if b is not None else y
+        y = qmatmul(x.reshape(-1, x.shape[-1]), self.data, self.scale, self.mn, self.cfg, self.shape[0], b)
+        return y.view(*lead, self.shape[0])
 
 
 class CompressedFormat:
@@ -96,7 +95,7 @@ class QuantKV:
 
     def encode(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Records of k, v (rows, kv_heads, s, head_dim) as contiguous (s, rows, rec) bytes."""
-        x = torch.stack((k, v), dim=0).permute(3, 1, 0, 2, 4)  # (s, rows, 2, kvh, d)
+        x = records(k, v)  # (s, rows, 2, kvh, d), contiguous
         s, rows = x.shape[:2]
         parts = quantize_rows(to_rows(x, self.cfg), self.cfg)  # rows of (s * rows * 2 * kvh)
         raw = [p.reshape(s, rows, -1).view(torch.uint8) for p in parts]

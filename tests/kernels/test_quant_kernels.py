@@ -65,3 +65,15 @@ def test_dispatch_uses_references_off_cuda():
     assert torch.equal(K.dequantize_rows(d, s, m, cfg, torch.float32), dequantize_rows(d, s, m, cfg, torch.float32))
     x = torch.randn(2, 4)
     assert torch.equal(K.qmatmul(x, d, s, m, cfg, 100), x @ dequantize_rows(d, s, m, cfg, torch.float32)[:, :100])
+
+
+@pytest.mark.parametrize("m", [3, 40])  # the fused kernel's rows, and a prefill's (dequantize, then addmm)
+def test_qmatmul_adds_the_bias_inside(m):
+    """A bias given to qmatmul equals adding it after, in float64 (both paths: fused and dense)."""
+    cfg = QuantConfig(4, 64)
+    k, n = 128, 200
+    d, s, mn = packed(k, n, cfg)
+    x, b = torch.randn(m, k), torch.randn(n)
+    want = x.double() @ dequantize_rows(d, s, mn, cfg, torch.float64)[:, :n] + b.double()
+    for got in (K.qmatmul(x, d, s, mn, cfg, n, b), K.qmatmul_triton(x[:32], d, s, mn, cfg, n, b)):
+        assert torch.allclose(got.double(), want[:got.shape[0]], rtol=1e-5, atol=1e-4)
