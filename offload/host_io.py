@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from flexoff.models.spec import ModelSpec
-from flexoff.offload.lanes import Event, Lanes, cuda_event
+from flexoff.offload.lanes import Event, Lanes
 from flexoff.offload.memory import HOST_IO_SETS
 from flexoff.offload.tiers import Ledger
 
@@ -71,9 +71,7 @@ class HostIO:
                 h = buf[:t.numel()].view(t.shape)
                 h.copy_(t, non_blocking=True)
                 out.append(h)
-            done = cuda_event()
-            done.record(self.down)
-        done.synchronize()
+            self.down.synchronize()
         return out
 
     def stage(self, s: int, o: torch.Tensor) -> torch.Tensor:

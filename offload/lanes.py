@@ -11,19 +11,10 @@ Does not know: what the work is (copies, attention), tiers, models.
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
 import torch
-
-
-def cuda_event(timing: bool = False) -> "torch.cuda.Event":
-    """A CUDA event whose host waits sleep until the GPU gets there. The default event spins a
-    core while it waits, and the engine's worker threads wait on the GPU for long stretches
-    (behind a stream's queued weight copies): cores they spin on are taken from CPU attention's
-    threads, whose every operation waits for its slowest thread. FLEXOFF_SPIN_WAIT=1 spins."""
-    return torch.cuda.Event(enable_timing=timing, blocking=os.environ.get("FLEXOFF_SPIN_WAIT") != "1")
 
 
 class Event:
@@ -133,7 +124,7 @@ class StreamLane:
             for d in deps:
                 d.wait_stream(self.stream)
             fn()
-            ev = cuda_event()
+            ev = torch.cuda.Event()
             ev.record(self.stream)
         return Event(cuda=ev)
 
@@ -160,7 +151,7 @@ class ComputeLane:
         """An event for all compute issued so far."""
         if not self.cuda:
             return DONE
-        ev = cuda_event()
+        ev = torch.cuda.Event()
         ev.record(self.stream)
         return Event(cuda=ev)
 

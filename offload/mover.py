@@ -16,7 +16,7 @@ from typing import Iterable, Literal
 
 import torch
 
-from flexoff.offload.lanes import DONE, Event, Lanes, cuda_event
+from flexoff.offload.lanes import DONE, Event, Lanes
 from flexoff.offload.tiers import DiskFile, Ledger
 
 CHUNK = 32 << 20  # bytes per disk transfer chunk
@@ -128,15 +128,15 @@ class Mover:
                 if len(queued) >= IN_FLIGHT:
                     queued.popleft().synchronize()
                 d[off:off + LINK_CHUNK].copy_(s[off:off + LINK_CHUNK], non_blocking=True)
-                queued.append(self._mark())
+                queued.append(self._mark(blocking=True))
             d.record_stream(stream)
         self._timed.append((start, queued[-1]))
         return Event(cuda=queued[-1])
 
     @staticmethod
-    def _mark() -> torch.cuda.Event:
+    def _mark(blocking: bool = False) -> torch.cuda.Event:
         """A timing event recorded on the current stream."""
-        ev = cuda_event(timing=True)
+        ev = torch.cuda.Event(enable_timing=True, blocking=blocking)
         ev.record()
         return ev
 
@@ -185,7 +185,7 @@ class Mover:
             src.buf.read_into(src.offset + off, b)
             with torch.cuda.stream(stream):
                 m[off:off + size].copy_(b, non_blocking=True)
-                ev = cuda_event()
+                ev = torch.cuda.Event()
                 ev.record(stream)
             evs[i] = ev
         return Event(cuda=ev)
@@ -205,7 +205,7 @@ class Mover:
             size = min(self.chunk, src.nbytes - off)
             with torch.cuda.stream(stream):
                 bounce[n % 2][:size].copy_(m[off:off + size], non_blocking=True)
-                e = cuda_event()
+                e = torch.cuda.Event()
                 e.record(stream)
             return e
 

@@ -82,6 +82,9 @@ class CompressedFormat:
         return out
 
 
+ENCODE_CHUNK = 64 << 20  # dense bytes of KV records quantized at a time (QuantKV.encode)
+
+
 class QuantKV:
     """KV records quantized along the head dimension: (2, kv_heads) rows of codes, then their
     scales, then their minimums, all bytes of one token of one sequence."""
@@ -94,12 +97,27 @@ class QuantKV:
         self.sizes = {p: 2 * kv_heads * shapes[p][1] * PART_DTYPES[p].itemsize for p in PARTS}
 
     def encode(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Records of k, v (rows, kv_heads, s, head_dim) as contiguous (s, rows, rec) bytes."""
+        """Records of k, v (rows, kv_heads, s, head_dim) as contiguous (s, rows, rec) bytes,
+        quantized ENCODE_CHUNK dense bytes at a time: a prompt's full-precision records (704 MB
+        for 48 OPT-30B rows of 512 tokens) never exist at once."""
+        rows, s = k.shape[0], k.shape[2]
+        step = max(1, ENCODE_CHUNK // (rows * 2 * self.kvh * self.hd * k.element_size()))
+        if step >= s:
+            return torch.cat(self._encoded(k, v), dim=-1)
+        out = torch.empty(s, rows, self.rec_bytes, dtype=torch.uint8, device=k.device)
+        for t0 in range(0, s, step):
+            off = 0
+            for raw in self._encoded(k[:, :, t0:t0 + step], v[:, :, t0:t0 + step]):
+                out[t0:t0 + raw.shape[0], :, off:off + raw.shape[-1]] = raw
+                off += raw.shape[-1]
+        return out
+
+    def _encoded(self, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
+        """The codes, scales and minimums of k, v's records, each (s, rows, bytes)."""
         x = records(k, v)  # (s, rows, 2, kvh, d), contiguous
         s, rows = x.shape[:2]
         parts = quantize_rows(to_rows(x, self.cfg), self.cfg)  # rows of (s * rows * 2 * kvh)
-        raw = [p.reshape(s, rows, -1).view(torch.uint8) for p in parts]
-        return torch.cat(raw, dim=-1)
+        return [p.reshape(s, rows, -1).view(torch.uint8) for p in parts]
 
     def write(self, buf: torch.Tensor, rows: int, t: int, k: torch.Tensor, v: torch.Tensor) -> None:
         enc = self.encode(k, v)

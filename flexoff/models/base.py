@@ -51,6 +51,13 @@ def linear(x: torch.Tensor, w: Any, b: torch.Tensor | None = None) -> torch.Tens
     return w.linear(x, b)
 
 
+def residual(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """h + y, where y is a layer's fresh output: added into y when no gradient flows through
+    either (the same sum, bit for bit), so a prefill's residual allocates no tensor of its own
+    (at a 24576-row OPT-30B batch each one is 352 MB the caching allocator must find room for)."""
+    return h + y if h.requires_grad or y.requires_grad else y.add_(h)
+
+
 def linears(x: torch.Tensor, ws: Sequence[Any], bs: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
     """[x @ w.T + b for each w, b]: several projections of one input (q, k and v; gate and up).
 

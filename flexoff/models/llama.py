@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from flexoff.errors import ModelError
 from flexoff.kernels.elementwise import rms_norm, rotate_pair, silu_mul
-from flexoff.models.base import LayerSpec, TensorSpec, Weights, linear, linears
+from flexoff.models.base import LayerSpec, TensorSpec, Weights, linear, linears, residual
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic")
 
@@ -245,12 +245,12 @@ class Llama:
     def attn_out(self, w: Weights, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         b, _, s, _ = o.shape
         o = o.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim)  # (b, s, heads*d)
-        return h + linear(o, w["o_proj.weight"], w.get("o_proj.bias"))
+        return residual(h, linear(o, w["o_proj.weight"], w.get("o_proj.bias")))
 
     def mlp(self, w: Weights, h: torch.Tensor) -> torch.Tensor:
         x = rms_norm(h, w["norm.weight"], self.cfg.rms_norm_eps)
         gate, up = linears(x, [w["gate_proj.weight"], w["up_proj.weight"]], [w.get("gate_proj.bias"), w.get("up_proj.bias")])
-        return h + linear(silu_mul(gate, up), w["down_proj.weight"], w.get("down_proj.bias"))
+        return residual(h, linear(silu_mul(gate, up), w["down_proj.weight"], w.get("down_proj.bias")))
 
     def head(self, w: Weights, h: torch.Tensor) -> torch.Tensor:
         return linear(rms_norm(h, w["norm.weight"], self.cfg.rms_norm_eps), w["lm_head.weight"])

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from flexoff.errors import ModelError
-from flexoff.models.base import LayerSpec, TensorSpec, Weights, linear, linears
+from flexoff.models.base import LayerSpec, TensorSpec, Weights, linear, linears, residual
 
 POSITION_OFFSET = 2  # OPT's position table has two extra rows before position 0
 
@@ -132,11 +132,12 @@ class OPT:
     def attn_out(self, w: Weights, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         b, _, s, _ = o.shape
         o = o.transpose(1, 2).reshape(b, s, self.hidden_size)  # (b, s, H)
-        return h + linear(o, w["out_proj.weight"], w.get("out_proj.bias"))
+        return residual(h, linear(o, w["out_proj.weight"], w.get("out_proj.bias")))
 
     def mlp(self, w: Weights, h: torch.Tensor) -> torch.Tensor:
-        x = self._act(linear(self._ln(w, h), w["fc1.weight"], w.get("fc1.bias")))
-        return h + linear(x, w["fc2.weight"], w.get("fc2.bias"))
+        x = linear(self._ln(w, h), w["fc1.weight"], w.get("fc1.bias"))
+        x = F.relu_(x) if self._act is F.relu and not x.requires_grad else self._act(x)  # in place: 4h wide
+        return residual(h, linear(x, w["fc2.weight"], w.get("fc2.bias")))
 
     def head(self, w: Weights, h: torch.Tensor) -> torch.Tensor:
         return linear(self._ln(w, h), w["lm_head.weight"])

@@ -75,3 +75,19 @@ def test_quantizing_in_pieces_is_quantizing_whole(shape, piece):
     for f in ("data", "scale", "mn"):
         assert torch.equal(getattr(whole, f), getattr(parts, f)), f
     assert parts.shape == whole.shape
+
+
+def test_kv_records_encode_in_chunks_as_in_one_piece(monkeypatch):
+    """A prompt encoded a few tokens at a time (bounded temporaries) gives the same bytes, and
+    decodes to fake-quantized keys and values (group-wise along the head dimension)."""
+    from flexoff.quant import engine as E
+
+    codec = E.QuantKV(4, 64, torch.float32, 4, 64)
+    k, v = torch.randn(3, 4, 50, 64), torch.randn(3, 4, 50, 64)
+    whole = codec.encode(k, v)
+    monkeypatch.setattr(E, "ENCODE_CHUNK", 3 * 2 * 4 * 64 * 4 * 7)  # seven tokens a piece
+    assert torch.equal(codec.encode(k, v), whole)
+    k2, v2 = codec.read(whole.reshape(-1), 3, 50)
+    cfg = QuantConfig(4, 64, dim=-1)
+    assert torch.equal(k2, dequantize(quantize(k, cfg)).to(k2.dtype))
+    assert torch.equal(v2, dequantize(quantize(v, cfg)).to(v2.dtype))
