@@ -82,7 +82,7 @@ class CompressedFormat:
         return out
 
 
-ENCODE_CHUNK = 64 << 20  # dense bytes of KV records quantized at a time (QuantKV.encode)
+ENCODE_CHUNK = 128 << 20  # dense bytes of KV records quantized at a time (QuantKV.encode)
 
 
 class QuantKV:
@@ -105,11 +105,9 @@ class QuantKV:
         if step >= s:
             return torch.cat(self._encoded(k, v), dim=-1)
         out = torch.empty(s, rows, self.rec_bytes, dtype=torch.uint8, device=k.device)
-        for t0 in range(0, s, step):
-            off = 0
-            for raw in self._encoded(k[:, :, t0:t0 + step], v[:, :, t0:t0 + step]):
-                out[t0:t0 + raw.shape[0], :, off:off + raw.shape[-1]] = raw
-                off += raw.shape[-1]
+        for t0 in range(0, s, step):  # a token range of the records is one contiguous run
+            torch.cat(self._encoded(k[:, :, t0:t0 + step], v[:, :, t0:t0 + step]), dim=-1,
+                      out=out[t0:t0 + step])
         return out
 
     def _encoded(self, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
