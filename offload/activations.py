@@ -12,6 +12,7 @@ Does not know: model math, the schedule.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Iterable, Literal
 
@@ -88,6 +89,7 @@ class RowStore:
                  mem: Ledger, lanes: Lanes, mover: Mover):
         self.dtype, self.lanes, self.mover, self.device = dtype, lanes, mover, mem.device
         self.split = split
+        self._capacity = sum(split.values()) * row_bytes // dtype.itemsize  # elements of a key's tensor
         self.homes = {key: {t: (mem.alloc(t, n * row_bytes), Tracked())
                             for t, n in split.items() if n > 0 and t != "gpu"} for key in keys}
         self._stored: dict[Hashable, _Stored] = {}
@@ -101,9 +103,7 @@ class RowStore:
     def put(self, key: Hashable, h: torch.Tensor, tag: Any, ev: Event) -> None:
         """Keep h, which compute produced by `ev`, under key. A ring slot that the key's input
         was taken from is free once `ev` is (compute read it before it produced h)."""
-        for slot in self._slots:
-            if slot.user == ("taken", key):
-                slot.free, slot.user = ev, None
+        self.release(key, ev)
         st = _Stored(tag, tuple(h.shape), None, ev)
         for tier, r0, r1 in row_segments(h.shape[0], self.split):
             if tier == "gpu":
@@ -117,6 +117,13 @@ class RowStore:
             track.tag = tag
         self._stored[key] = st
         self._loaded.pop(key, None)
+
+    def release(self, key: Hashable, ev: Event) -> None:
+        """The input taken under key is read by compute up to `ev`: its ring slot is free then
+        (put does this; a layer with no output to put, the head, calls it)."""
+        for slot in self._slots:
+            if slot.user == ("taken", key):
+                slot.free, slot.user = ev, None
 
     def holds(self, key: Hashable, tag: Any) -> bool:
         st = self._stored.get(key)
@@ -150,13 +157,10 @@ class RowStore:
         stream's pending frees: 15% of an OPT-30B prefill's GPU time went idle so."""
         n = math.prod(shape)
         slot = next((sl for sl in self._slots if sl.user is None), None)
-        if slot is not None and slot.buf.numel() < n:  # a longer prompt than the slot was made for
-            self._slots.remove(slot)
-            slot = None
-        if slot is None and len(self._slots) < self.ring:
-            slot = _Slot(self._fresh(n))
+        if slot is None and len(self._slots) < self.ring and n <= self._capacity:
+            slot = _Slot(self._fresh(self._capacity))  # room for the longest prompt
             self._slots.append(slot)
-        if slot is None:
+        if slot is None or n > slot.buf.numel():
             return self._fresh(n).view(shape), []
         slot.user = ("loading", key)
         return slot.buf[:n].view(shape), [slot.free]
@@ -188,7 +192,8 @@ class RowStore:
         return out, evs
 
     def clear(self) -> None:
-        """Drop what the last block left (its device tensors, the ring's slots among them)."""
+        """Drop what the last block left (its device tensors, the ring's slots among them: the
+        next block's slots are made in the loading stream's pool again)."""
         self._stored.clear()
         self._loaded.clear()
         self._slots.clear()
@@ -197,7 +202,7 @@ class RowStore:
 class HiddenStore(RowStore):
     """Each GPU batch's hidden state between layers: the output of layer j, input of j + 1.
     Loads go into a ring of two tensors: the next batch's input fills one while compute reads
-    the other (loads run one step ahead)."""
+    the other (loads run one step ahead). FLEXOFF_LOAD_RING=0 makes a fresh tensor per load."""
 
     ring = 2
 
@@ -206,6 +211,7 @@ class HiddenStore(RowStore):
         split = row_split(policy.gpu_batch_size, policy.act_gpu_percent, policy.act_cpu_percent)
         super().__init__(range(policy.num_gpu_batches), split, max_prompt * spec.hidden_size * dtype.itemsize,
                          dtype, mem, lanes, mover)
+        self.ring = int(os.environ.get("FLEXOFF_LOAD_RING", self.ring))
 
     def put(self, kb: int, j: int, h: torch.Tensor, ev: Event) -> None:  # type: ignore[override]
         """Keep the output h (n, s, hidden) of layer j for batch kb until layer j + 1."""
