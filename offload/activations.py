@@ -69,6 +69,9 @@ class _Stored:
     homes: dict[str, Any] = field(default_factory=dict)
 
 
+RING_MIN_BYTES = 16 << 20  # loads at least this large go into ring slots
+
+
 @dataclass
 class _Slot:
     """A ring slot: a device tensor loads go into, reused."""
@@ -151,11 +154,15 @@ class RowStore:
 
     def _load_target(self, shape: tuple[int, ...], key: Hashable) -> tuple[torch.Tensor, list[Event]]:
         """A device tensor for the loading stream to fill, and what must finish before it is
-        written: a free slot of the ring (once compute has read what it held last), else a fresh
-        tensor. A fresh one per load made the caching allocator, under the GPU cap, release the
-        loading stream's cached blocks for compute's allocations and wait on the host for every
-        stream's pending frees: 15% of an OPT-30B prefill's GPU time went idle so."""
+        written: for a large load, a free slot of the ring (once compute has read what it held
+        last), else a fresh tensor. A fresh one per large load made the caching allocator, under
+        the GPU cap, release the loading stream's cached blocks for compute's allocations and wait
+        on the host for every stream's pending frees (15% of an OPT-30B prefill's GPU time went
+        idle so). Small loads (decode) take fresh tensors: waiting for a slot holds up the weight
+        copies queued behind it on the loading stream, which cost 5% of a decode."""
         n = math.prod(shape)
+        if n * self.dtype.itemsize < RING_MIN_BYTES:
+            return self._fresh(n).view(shape), []
         slot = next((sl for sl in self._slots if sl.user is None), None)
         if slot is None and len(self._slots) < self.ring and n <= self._capacity:
             slot = _Slot(self._fresh(self._capacity))  # room for the longest prompt
