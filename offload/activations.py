@@ -11,15 +11,13 @@ Does not know: model math, the schedule.
 
 from __future__ import annotations
 
-import math
-import os
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Iterable, Literal
 
 import torch
 
 from flexoff.models.spec import ModelSpec
-from flexoff.offload.lanes import DONE, Event, Lanes, Tracked
+from flexoff.offload.lanes import Event, Lanes, Tracked
 from flexoff.offload.mover import Mover, Span, span_of
 from flexoff.offload.placement import TIERS, row_segments, row_split
 from flexoff.offload.tiers import Ledger
@@ -69,44 +67,27 @@ class _Stored:
     homes: dict[str, Any] = field(default_factory=dict)
 
 
-RING_MIN_BYTES = 16 << 20  # loads at least this large go into ring slots
-
-
-@dataclass
-class _Slot:
-    """A ring slot: a device tensor loads go into, reused."""
-
-    buf: torch.Tensor
-    free: Event = DONE  # compute's last read of it
-    user: tuple[str, Hashable] | None = None  # ("loading" or "taken", key), or free
-
-
 class RowStore:
     """Tensors (n, s, hidden) keyed by their holder, rows split across tiers, loaded back on the
     lane `lane` names ("load", or "fetch": a stream of its own, not behind weight copies)."""
 
     lane: Literal["load", "fetch"] = "load"
-    ring = 0  # device tensors kept to load into, reused (else one fresh tensor per load)
 
     def __init__(self, keys: Iterable[Hashable], split: dict[str, int], row_bytes: int, dtype: torch.dtype,
                  mem: Ledger, lanes: Lanes, mover: Mover):
         self.dtype, self.lanes, self.mover, self.device = dtype, lanes, mover, mem.device
         self.split = split
-        self._capacity = sum(split.values()) * row_bytes // dtype.itemsize  # elements of a key's tensor
         self.homes = {key: {t: (mem.alloc(t, n * row_bytes), Tracked())
                             for t, n in split.items() if n > 0 and t != "gpu"} for key in keys}
         self._stored: dict[Hashable, _Stored] = {}
         self._loaded: dict[Hashable, tuple[Any, torch.Tensor, list[Event]]] = {}
-        self._slots: list[_Slot] = []  # the ring's load targets
 
     @property
     def all_gpu(self) -> bool:
         return self.split["gpu"] == sum(self.split.values())
 
     def put(self, key: Hashable, h: torch.Tensor, tag: Any, ev: Event) -> None:
-        """Keep h, which compute produced by `ev`, under key. A ring slot that the key's input
-        was taken from is free once `ev` is (compute read it before it produced h)."""
-        self.release(key, ev)
+        """Keep h, which compute produced by `ev`, under key."""
         st = _Stored(tag, tuple(h.shape), None, ev)
         for tier, r0, r1 in row_segments(h.shape[0], self.split):
             if tier == "gpu":
@@ -121,13 +102,6 @@ class RowStore:
         self._stored[key] = st
         self._loaded.pop(key, None)
 
-    def release(self, key: Hashable, ev: Event) -> None:
-        """The input taken under key is read by compute up to `ev`: its ring slot is free then
-        (put does this; a layer with no output to put, the head, calls it)."""
-        for slot in self._slots:
-            if slot.user == ("taken", key):
-                slot.free, slot.user = ev, None
-
     def holds(self, key: Hashable, tag: Any) -> bool:
         st = self._stored.get(key)
         return st is not None and st.tag == tag
@@ -138,49 +112,30 @@ class RowStore:
         assert st.tag == tag, f"{key}: holds {st.tag}, {tag} was asked for"
         if key in self._loaded or self.all_gpu:
             return
-        out, free = self._load_target(st.shape, key)
+        out = self._load_target(st.shape)
         evs = []
         for tier, r0, r1 in row_segments(st.shape[0], self.split):
             dst = span_of(out[r0:r1])
             if tier == "gpu":
-                evs.append(self.mover.copy(dst, span_of(st.gpu), [st.ev] + free, lane=self.lane))
+                evs.append(self.mover.copy(dst, span_of(st.gpu), [st.ev], lane=self.lane))
                 continue
             buf, track = self.homes[key][tier]
             assert track.tag == tag
-            ev = self.mover.copy(dst, Span(buf, 0, dst.nbytes), track.read_deps() + free, lane=self.lane)
+            ev = self.mover.copy(dst, Span(buf, 0, dst.nbytes), track.read_deps(), lane=self.lane)
             track.was_read(ev)
             evs.append(ev)
         self._loaded[key] = (tag, out, evs)
 
-    def _load_target(self, shape: tuple[int, ...], key: Hashable) -> tuple[torch.Tensor, list[Event]]:
-        """A device tensor for the loading stream to fill, and what must finish before it is
-        written: for a large load, a free slot of the ring (once compute has read what it held
-        last), else a fresh tensor. A fresh one per large load made the caching allocator, under
-        the GPU cap, release the loading stream's cached blocks for compute's allocations and wait
-        on the host for every stream's pending frees (15% of an OPT-30B prefill's GPU time went
-        idle so). Small loads (decode) take fresh tensors: waiting for a slot holds up the weight
-        copies queued behind it on the loading stream, which cost 5% of a decode."""
-        n = math.prod(shape)
-        if n * self.dtype.itemsize < RING_MIN_BYTES:
-            return self._fresh(n).view(shape), []
-        slot = next((sl for sl in self._slots if sl.user is None), None)
-        if slot is None and len(self._slots) < self.ring and n <= self._capacity:
-            slot = _Slot(self._fresh(self._capacity))  # room for the longest prompt
-            self._slots.append(slot)
-        if slot is None or n > slot.buf.numel():
-            return self._fresh(n).view(shape), []
-        slot.user = ("loading", key)
-        return slot.buf[:n].view(shape), [slot.free]
-
-    def _fresh(self, n: int) -> torch.Tensor:
-        """n elements made in the loading stream's memory pool: memory freed in the compute
-        stream's pool may still be used by compute kernels queued behind the host, and a copy on
-        another stream would race them (`take` records compute's use)."""
+    def _load_target(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A device tensor for the loading stream to fill, made in that stream's memory pool:
+        memory freed in the compute stream's pool may still be used by compute kernels queued
+        behind the host, and a copy on another stream would race them (`take` records compute's
+        use)."""
         stream = getattr(getattr(self.lanes, self.lane), "stream", None)
         if stream is None:
-            return torch.empty(n, dtype=self.dtype, device=self.device)
+            return torch.empty(shape, dtype=self.dtype, device=self.device)
         with torch.cuda.stream(stream):
-            return torch.empty(n, dtype=self.dtype, device=self.device)
+            return torch.empty(shape, dtype=self.dtype, device=self.device)
 
     def take(self, key: Hashable, tag: Any) -> tuple[torch.Tensor, list[Event]]:
         """The tensor under key (which must be `tag`) and the events compute must wait for."""
@@ -191,34 +146,24 @@ class RowStore:
         RowStore.prefetch(self, key, tag)  # the keyed form, not a subclass's
         got, out, evs = self._loaded.pop(key)
         assert got == tag
-        for slot in self._slots:
-            if slot.user == ("loading", key):
-                slot.user = ("taken", key)
         if self.lanes.compute.stream is not None:  # its memory goes back to the load stream's pool
             out.record_stream(self.lanes.compute.stream)  # only once compute is done with it
         return out, evs
 
     def clear(self) -> None:
-        """Drop what the last block left (its device tensors, the ring's slots among them: the
-        next block's slots are made in the loading stream's pool again)."""
+        """Drop what the last block left (its device tensors)."""
         self._stored.clear()
         self._loaded.clear()
-        self._slots.clear()
 
 
 class HiddenStore(RowStore):
-    """Each GPU batch's hidden state between layers: the output of layer j, input of j + 1.
-    Loads go into a ring of two tensors: the next batch's input fills one while compute reads
-    the other (loads run one step ahead). FLEXOFF_LOAD_RING=0 makes a fresh tensor per load."""
-
-    ring = 2
+    """Each GPU batch's hidden state between layers: the output of layer j, input of j + 1."""
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, policy: Policy, mem: Ledger,
                  lanes: Lanes, mover: Mover, max_prompt: int):
         split = row_split(policy.gpu_batch_size, policy.act_gpu_percent, policy.act_cpu_percent)
         super().__init__(range(policy.num_gpu_batches), split, max_prompt * spec.hidden_size * dtype.itemsize,
                          dtype, mem, lanes, mover)
-        self.ring = int(os.environ.get("FLEXOFF_LOAD_RING", self.ring))
 
     def put(self, kb: int, j: int, h: torch.Tensor, ev: Event) -> None:  # type: ignore[override]
         """Keep the output h (n, s, hidden) of layer j for batch kb until layer j + 1."""

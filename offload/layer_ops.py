@@ -206,9 +206,7 @@ class HeadOp(LayerOp):
         e = self.e
         w, h = self._inputs(run, step)
         run.tasks[step.k].forward(e.fam, w, h, run.states[step.k], step.i)
-        ev = e.lanes.compute.mark()
-        e.weights.was_read(self.j, ev)
-        e.hidden.release(step.k, ev)
+        e.weights.was_read(self.j, e.lanes.compute.mark())
         if e.pipe is not None and step.i < run.gen_len - 1:  # the first stage embeds them next
             e.pipe.send_tokens(run.states[step.k].tokens[step.i])
 
