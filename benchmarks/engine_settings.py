@@ -30,7 +30,7 @@ COLUMNS = ["policy", "setting", "decode_s", "gen_tok_s", "decode/bound", "link_b
 
 
 def apply(setting: str) -> None:
-    """Set the environment variables of one setting (and unset those another setting set)."""
+    """Set the environment variables of one setting."""
     for part in filter(None, "" if setting == "default" else setting.split(",")):
         name, _, value = part.partition("=")
         os.environ[name.strip()] = value.strip()
@@ -81,7 +81,10 @@ def main() -> int:
                 for r in range(args.repeat):
                     for setting in settings:
                         for n, v in base.items():  # back to the process's own values, then this setting's
-                            os.environ.pop(n, None) if v is None else os.environ.__setitem__(n, v)
+                            if v is None:
+                                os.environ.pop(n, None)
+                            else:
+                                os.environ[n] = v
                         apply(setting)
                         bench.llm.drop_engine()  # settings are read when an engine is built
                         rec = bench._measure(f"{text} {setting}", policy, args.prompt_len, args.gen_len, None,

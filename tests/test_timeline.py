@@ -38,6 +38,12 @@ def test_summary_counts_busy_time_and_gaps_in_the_decode_window():
     assert rows["CPU thread cpu-attention"]["busy"] == pytest.approx(50 / 200)  # named by its lane
     assert [g["gap"] for g in s["h2d_gaps_us"]] == [60, 20]
     assert s["h2d_gaps_us"][0]["at"] == pytest.approx(80)
+    assert s["kernels_us"] == [{"kernel": "gemm", "us": 40, "share": pytest.approx(40 / 200)}]
+    pre = summarize(trace, "prefill")  # from the first event to the prefill's token step: 0..100
+    rows = {r["what"]: r for r in pre["rows"]}
+    assert pre["window_us"] == pytest.approx(100)
+    assert rows["link host to device"]["busy"] == pytest.approx(50 / 100)
+    assert pre["kernels_us"] == []
 
 
 def test_copy_waits_match_copies_to_the_calls_that_queued_them():
