@@ -42,6 +42,19 @@ def timed(fn, repeat: int = 5) -> float:
     return sorted(ts)[len(ts) // 2]
 
 
+def h2d_copies(src: torch.Tensor, dst: torch.Tensor, stream: "torch.cuda.Stream",
+               going: Callable[[], bool]) -> float:
+    """Pinned src to device dst in 32 MB copies on `stream`, again while `going()`: GB/s."""
+    chunk, n, t0 = 32 << 20, 0, time.perf_counter()
+    while going():
+        with torch.cuda.stream(stream):
+            for off in range(0, src.numel(), chunk):
+                dst[off:off + chunk].copy_(src[off:off + chunk], non_blocking=True)
+        stream.synchronize()
+        n += src.numel()
+    return n / max(time.perf_counter() - t0, 1e-9) / 1e9
+
+
 def contention(threads: list[int], b: int, h: int, d: int, t: int, seconds: float = 1.5) -> list[dict]:
     """Attention (head-major fp16) and 32 MB host-to-device copies of a pinned 1 GiB buffer,
     each alone and both at once, per attention thread count."""
@@ -54,18 +67,9 @@ def contention(threads: list[int], b: int, h: int, d: int, t: int, seconds: floa
     src = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
     dst = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     stream = torch.cuda.Stream()
-    chunk = 32 << 20
 
     def h2d_for(stop: threading.Event | None, until: float) -> float:
-        n = 0
-        t0 = time.perf_counter()
-        while time.perf_counter() < until and not (stop and stop.is_set()):
-            with torch.cuda.stream(stream):
-                for off in range(0, src.numel(), chunk):
-                    dst[off:off + chunk].copy_(src[off:off + chunk], non_blocking=True)
-            stream.synchronize()
-            n += src.numel()
-        return n / (time.perf_counter() - t0) / 1e9
+        return h2d_copies(src, dst, stream, lambda: time.perf_counter() < until and not (stop and stop.is_set()))
 
     def attention_for(nthreads: int, until: float, out: list) -> None:
         torch.set_num_threads(nthreads)
@@ -116,12 +120,7 @@ def neighbours(nthreads: int, b: int, h: int, d: int, t: int, waiters: int = 3,
              "attend_cached, registered": lambda: attend_cached(q, prompt, generated, new, 0, mask, d**-0.5)}
 
     def copies(stop: threading.Event) -> None:
-        stream = torch.cuda.Stream()
-        while not stop.is_set():
-            with torch.cuda.stream(stream):
-                for off in range(0, src.numel(), 32 << 20):
-                    dst[off:off + (32 << 20)].copy_(src[off:off + (32 << 20)], non_blocking=True)
-            stream.synchronize()
+        h2d_copies(src, dst, torch.cuda.Stream(), lambda: not stop.is_set())
 
     def waiter(blocking: bool) -> Callable[[threading.Event], None]:
         def run(stop: threading.Event) -> None:  # waits on GPU work that takes about 2 ms, again and again

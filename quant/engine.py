@@ -102,8 +102,6 @@ class QuantKV:
         for 48 OPT-30B rows of 512 tokens) never exist at once."""
         rows, s = k.shape[0], k.shape[2]
         step = max(1, ENCODE_CHUNK // (rows * 2 * self.kvh * self.hd * k.element_size()))
-        if step >= s:
-            return torch.cat(self._encoded(k, v), dim=-1)
         out = torch.empty(s, rows, self.rec_bytes, dtype=torch.uint8, device=k.device)
         for t0 in range(0, s, step):  # a token range of the records is one contiguous run
             torch.cat(self._encoded(k[:, :, t0:t0 + step], v[:, :, t0:t0 + step]), dim=-1,
