@@ -8,17 +8,19 @@ machine's memory bandwidth. Decides how flexoff lays out rows that CPU attention
 pinned host-to-device copies (the engine's weight stream) running at the same time: both draw on
 host memory bandwidth.
 
-    python benchmarks/cpu_attention.py --rows 19 --tokens 528 --neighbours 12   # needs CUDA
+    python benchmarks/cpu_attention.py --rows 19 --tokens 528 --neighbours 8,12   # needs CUDA
 
 --neighbours THREADS runs the engine's own call (`attend_cached` over a HeadMajorKV cache in
-registered host memory, a new token written per call) on THREADS threads beside what runs next
-to it in an offloaded decode: host-to-device copies, and other threads waiting on the GPU, either
-spinning (a CUDA event's default synchronize) or sleeping (a blocking event).
+registered host memory, a new token written per call; torch's matmuls, and the compiled kernel
+of flexoff.kernels.cpu_attention) on each thread count beside what runs next to it in an
+offloaded decode: host-to-device copies, and other threads waiting on the GPU, either spinning
+(a CUDA event's default synchronize) or sleeping (a blocking event).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
 import time
@@ -29,6 +31,7 @@ import torch
 
 from common import environment, table, write_jsonl
 
+from flexoff.kernels import cpu_attention as cpu_kernel
 from flexoff.policy.hardware import host_copy_bandwidth
 
 
@@ -97,9 +100,23 @@ def contention(threads: list[int], b: int, h: int, d: int, t: int, seconds: floa
     return rows
 
 
-def neighbours(nthreads: int, b: int, h: int, d: int, t: int, waiters: int = 3,
+def _without_kernel(fn: Callable[..., Any], *args: Any) -> Any:
+    """fn(*args) with flexoff's compiled CPU attention kernel turned off (the torch path)."""
+    old = os.environ.get("FLEXOFF_CPU_KERNEL")
+    os.environ["FLEXOFF_CPU_KERNEL"] = "0"
+    try:
+        return fn(*args)
+    finally:
+        if old is None:
+            del os.environ["FLEXOFF_CPU_KERNEL"]
+        else:
+            os.environ["FLEXOFF_CPU_KERNEL"] = old
+
+
+def neighbours(thread_counts: list[int], b: int, h: int, d: int, t: int, waiters: int = 3,
                seconds: float = 1.5) -> list[dict]:
-    """The engine's CPU-attention call's KV GB/s beside copies and waiting threads (see the module)."""
+    """The engine's CPU-attention call's KV GB/s beside copies and waiting threads (see the module),
+    through torch's matmuls and through the compiled kernel, per thread count."""
     from flexoff.models.attention import attend, attend_cached
     from flexoff.offload.kvcache import HeadMajorKV
     from flexoff.offload.tiers import pinned_empty
@@ -117,7 +134,11 @@ def neighbours(nthreads: int, b: int, h: int, d: int, t: int, waiters: int = 3,
     src = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
     dst = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     calls = {"attend, plain memory": lambda: attend(q, plain[0], plain[1], mask[..., :t], d**-0.5),
-             "attend_cached, registered": lambda: attend_cached(q, prompt, generated, new, 0, mask, d**-0.5)}
+             "attend_cached torch, registered": lambda: _without_kernel(
+                 attend_cached, q, prompt, generated, new, 0, mask, d**-0.5)}
+    if cpu_kernel.build():
+        calls["attend_cached kernel, registered"] = lambda: attend_cached(q, prompt, generated, new, 0, mask,
+                                                                          d**-0.5)
 
     def copies(stop: threading.Event) -> None:
         h2d_copies(src, dst, torch.cuda.Stream(), lambda: not stop.is_set())
@@ -133,7 +154,7 @@ def neighbours(nthreads: int, b: int, h: int, d: int, t: int, waiters: int = 3,
                 ev.synchronize()
         return run
 
-    def rate(fn: Callable[[], Any], side: list[Callable[[threading.Event], None]]) -> float:
+    def rate(fn: Callable[[], Any], side: list[Callable[[threading.Event], None]], nthreads: int) -> float:
         stop = threading.Event()
         others = [threading.Thread(target=f, args=(stop,)) for f in side]
         for th in others:
@@ -157,13 +178,12 @@ def neighbours(nthreads: int, b: int, h: int, d: int, t: int, waiters: int = 3,
         return res[0]
 
     rows = []
-    for name, fn in calls.items():
-        for beside, side in (("nothing", []), ("h2d copies", [copies]),
-                             (f"{waiters} spinning waiters", [waiter(False)] * waiters),
-                             (f"{waiters} sleeping waiters", [waiter(True)] * waiters),
-                             (f"h2d copies, {waiters} spinning waiters", [copies] + [waiter(False)] * waiters),
-                             (f"h2d copies, {waiters} sleeping waiters", [copies] + [waiter(True)] * waiters)):
-            rows.append({"call": name, "beside": beside, "threads": nthreads, "GB/s": rate(fn, side)})
+    for nthreads in thread_counts:
+        for name, fn in calls.items():
+            for beside, side in (("nothing", []), ("h2d copies", [copies]),
+                                 (f"{waiters} sleeping waiters", [waiter(True)] * waiters),
+                                 (f"h2d copies, {waiters} spinning waiters", [copies] + [waiter(False)] * waiters)):
+                rows.append({"call": name, "beside": beside, "threads": nthreads, "GB/s": rate(fn, side, nthreads)})
     return rows
 
 
@@ -175,14 +195,14 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=544)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     ap.add_argument("--contention", default=None, metavar="THREADS", help="e.g. 4,8,12,16 (needs CUDA)")
-    ap.add_argument("--neighbours", type=int, default=None, metavar="THREADS", help="e.g. 12 (needs CUDA)")
+    ap.add_argument("--neighbours", default=None, metavar="THREADS", help="e.g. 8,12 (needs CUDA)")
     ap.add_argument("--waiters", type=int, default=3)
     args = ap.parse_args()
     from flexoff.models.attention import attend
 
     b, h, d, t = args.rows, args.heads, args.head_dim, args.tokens
     if args.neighbours:
-        rows = neighbours(args.neighbours, b, h, d, t, args.waiters)
+        rows = neighbours([int(x) for x in args.neighbours.split(",")], b, h, d, t, args.waiters)
         print(f"{b} rows x {h} heads x {t} tokens x {d}, fp16")
         print(table(rows, ["call", "beside", "threads", "GB/s"]))
         write_jsonl(args.out / "neighbours.jsonl", [{**environment(), **vars(args), "out": str(args.out), **r}
@@ -211,6 +231,10 @@ def main() -> int:
                                                   mask, d**-0.5),
             "head-major": lambda: attend(q, hm[0], hm[1], mask, d**-0.5),
         }
+        if cpu_kernel.build():  # the compiled kernel over the same head-major rows, as two areas
+            variants["head-major, compiled kernel"] = lambda: cpu_kernel.decode_attention(
+                q, (hm[0, :, :, :t - 1], hm[1, :, :, :t - 1]), (hm[0, :, :, t - 1:], hm[1, :, :, t - 1:]), mask,
+                d**-0.5)
         for name, fn in variants.items():
             s = timed(fn)
             rows.append({"variant": name, "dtype": str(dtype).replace("torch.", ""), "ms": s * 1e3,

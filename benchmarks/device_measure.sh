@@ -53,6 +53,9 @@
 #                                                   # copies and waiting threads; a prefill timeline of
 #                                                   # auto+c's policy, auto's decode at several CPU-attention
 #                                                   # settings (engine_settings.py), both on cut models
+#   PHASE=J bash benchmarks/device_measure.sh OUT   # the compiled CPU attention kernel: its tests on the host
+#                                                   # CPU, against torch alone and beside copies and waiters,
+#                                                   # and auto's decode with it off and on (12 blocks)
 #   PHASE=P bash benchmarks/device_measure.sh OUT   # (2 GPUs) pipeline stages: OPT-1.3B on 1 and 2 GPUs
 #                                                   # (NCCL, same tokens); OPT-66B 512+32, 16 GiB per GPU,
 #                                                   # --policy auto, on 2 GPUs then 1, in one run
@@ -65,7 +68,7 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 FLEXOFF_CACHE=/tmp/flexoff-cache
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
+    && export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH  # bin: ninja, for the CPU attention kernel
 fi
 python3 -m pip install -q --no-build-isolation --no-deps -e . >/tmp/install.log 2>&1 || tail -5 /tmp/install.log
 export FLEXOFF_COMMIT=$(cat .commit 2>/dev/null || git rev-parse --short HEAD 2>/dev/null || echo unknown)
@@ -271,6 +274,23 @@ PY
      timeout ${SETTINGS_S:-300} python3 benchmarks/engine_settings.py --model dummy:opt-30b --layers 12 \
        --gpu-mem 16GiB --cpu-mem 100GiB --hardware $HW --policy "$AUTO" ${SETTINGS:---set FLEXOFF_CPU_THREADS=8 \
        --set default --set FLEXOFF_CPU_THREADS=16} --out "$OUT/settings" >"$OUT/settings.log" 2>&1
+     grep -v "^\s*$" "$OUT/settings.log" | grep -v "^---" | tail -8 ;;
+  J) echo "=== CPU and compiler ($(date +%T))"
+     lscpu | grep -E "Model name|^CPU\(s\)"; grep -o -w "avx512f\|avx512_fp16\|amx_bf16\|f16c" /proc/cpuinfo | sort | uniq -c
+     g++ --version | head -1; ninja --version
+     echo "=== the CPU attention kernel's tests on this CPU ($(date +%T))"
+     timeout 200 python3 -m pytest -q tests/kernels/test_cpu_attention_kernel.py tests/models/test_attention.py \
+       -p no:cacheprovider 2>&1 | tail -3
+     echo "=== head-major decode attention: torch and the kernel ($(date +%T))"
+     timeout 120 python3 benchmarks/cpu_attention.py --rows 19 --tokens 528 --out "$OUT" 2>&1 | tail -12
+     echo "=== the engine's call beside copies and waiting threads ($(date +%T))"
+     timeout 200 python3 benchmarks/cpu_attention.py --rows 19 --tokens 528 --neighbours ${THREADS:-8,12,16} \
+       --out "$OUT" 2>&1 | tail -40
+     echo "=== decode with the kernel off and on, ${AUTO:=24x3:0,100,16.67,79.17,25,75:a}, 12 blocks ($(date +%T))"
+     timeout ${SETTINGS_S:-300} python3 benchmarks/engine_settings.py --model dummy:opt-30b --layers 12 \
+       --gpu-mem 16GiB --cpu-mem 100GiB --hardware $HW --policy "$AUTO" ${SETTINGS:---set FLEXOFF_CPU_KERNEL=0 \
+       --set default --set FLEXOFF_CPU_THREADS=8 --set FLEXOFF_CPU_THREADS=16} --out "$OUT/settings" \
+       >"$OUT/settings.log" 2>&1
      grep -v "^\s*$" "$OUT/settings.log" | grep -v "^---" | tail -8 ;;
   P) # the H200 profile with this host's memory (the profile was measured on a one-GPU host)
      python3 -c "import json; d = json.load(open('$HW')); \

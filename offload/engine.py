@@ -26,6 +26,7 @@ from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
 
+from flexoff.kernels import cpu_attention as cpu_kernel
 from flexoff.models.base import Family
 from flexoff.models.spec import ModelSpec
 from flexoff.offload.activations import HiddenStore, Stash, keeps_graphs
@@ -122,6 +123,8 @@ class Engine:
         self.lean = LeanDecoder(self, graphs_enabled(cuda_graphs)) \
             if pipe is None and LeanDecoder.applies(self) else None
         self.cpu_threads = cpu_attention_threads() if self.lanes.cuda and policy.cpu_cache_compute else 0
+        if policy.cpu_cache_compute:  # build (or load) the CPU attention kernel now, not in a decode step
+            cpu_kernel.enabled()
         self.cpu_attention_bytes = 0
         self.timing = {"wait_cpu_attention_s": 0.0, "cpu_attention_compute_s": 0.0, "cpu_attention_down_s": 0.0,
                        "cpu_attention_stage_s": 0.0, "cpu_attention_calls": 0,

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from flexoff.kernels import cpu_attention as cpu_kernel
+
 
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
@@ -51,7 +53,8 @@ def attend_cached(q: torch.Tensor, prompt: tuple[torch.Tensor, torch.Tensor],
                   mask: torch.Tensor, scale: float) -> torch.Tensor:
     """Decode attention over a cache held in two areas, without concatenating them: writes the new
     token's key and value at index g of the generated area, then attends over the prompt area and
-    generated tokens 0..g (scores joined, values summed).
+    generated tokens 0..g (scores joined, values summed). On the CPU the compiled kernel of
+    flexoff.kernels.cpu_attention runs where it builds; attend_two_areas otherwise.
 
     q: (b, heads, 1, d); prompt: (k, v) each (b, kv_heads, s, d), generated: (k, v) each
     (b, kv_heads, max_gen, d), contiguous heads; new: (k, v) each (b, kv_heads, 1, d);
@@ -61,6 +64,16 @@ def attend_cached(q: torch.Tensor, prompt: tuple[torch.Tensor, torch.Tensor],
     kg[:, :, g:g + 1] = new[0]
     vg[:, :, g:g + 1] = new[1]
     kg, vg = kg[:, :, :g + 1], vg[:, :, :g + 1]
+    if q.device.type == "cpu" and cpu_kernel.fits(q, kp, kg) and cpu_kernel.enabled():
+        return cpu_kernel.decode_attention(q, (kp, vp), (kg, vg), mask, scale)
+    return attend_two_areas(q, (kp, vp), (kg, vg), mask, scale)
+
+
+def attend_two_areas(q: torch.Tensor, prompt: tuple[torch.Tensor, torch.Tensor],
+                     generated: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """attend_cached's torch math (the compiled CPU kernel's reference): q over the prompt
+    area's keys and values, then the generated area's, with no concatenation."""
+    (kp, vp), (kg, vg) = prompt, generated
     b, nh, sq, d = q.shape
     kvh = kp.shape[1]
     grp = nh // kvh
