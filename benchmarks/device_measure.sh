@@ -54,8 +54,10 @@
 #                                                   # auto+c's policy, auto's decode at several CPU-attention
 #                                                   # settings (engine_settings.py), both on cut models
 #   PHASE=J bash benchmarks/device_measure.sh OUT   # the compiled CPU attention kernel: its tests on the host
-#                                                   # CPU, against torch alone and beside copies and waiters,
-#                                                   # and auto's decode with it off and on (12 blocks)
+#                                                   # CPU, against torch alone and beside copies and waiters
+#                                                   # (SKIP_CHECK=1: not these), and auto's decode under
+#                                                   # engine settings (LAYERS blocks, SETTINGS); FULL=1: then
+#                                                   # OPT-30B auto, the whole model
 #   PHASE=P bash benchmarks/device_measure.sh OUT   # (2 GPUs) pipeline stages: OPT-1.3B on 1 and 2 GPUs
 #                                                   # (NCCL, same tokens); OPT-66B 512+32, 16 GiB per GPU,
 #                                                   # --policy auto, on 2 GPUs then 1, in one run
@@ -275,7 +277,7 @@ PY
        --gpu-mem 16GiB --cpu-mem 100GiB --hardware $HW --policy "$AUTO" ${SETTINGS:---set FLEXOFF_CPU_THREADS=8 \
        --set default --set FLEXOFF_CPU_THREADS=16} --out "$OUT/settings" >"$OUT/settings.log" 2>&1
      grep -v "^\s*$" "$OUT/settings.log" | grep -v "^---" | tail -8 ;;
-  J) echo "=== CPU and compiler ($(date +%T))"
+  J) [ -n "${SKIP_CHECK:-}" ] || { echo "=== CPU and compiler ($(date +%T))"
      lscpu | grep -E "Model name|^CPU\(s\)"; grep -o -w "avx512f\|avx512_fp16\|amx_bf16\|f16c" /proc/cpuinfo | sort | uniq -c
      g++ --version | head -1; ninja --version
      echo "=== the CPU attention kernel's tests on this CPU ($(date +%T))"
@@ -285,13 +287,16 @@ PY
      timeout 120 python3 benchmarks/cpu_attention.py --rows 19 --tokens 528 --out "$OUT" 2>&1 | tail -12
      echo "=== the engine's call beside copies and waiting threads ($(date +%T))"
      timeout 200 python3 benchmarks/cpu_attention.py --rows 19 --tokens 528 --neighbours ${THREADS:-8,12,16} \
-       --out "$OUT" 2>&1 | tail -40
-     echo "=== decode with the kernel off and on, ${AUTO:=24x3:0,100,16.67,79.17,25,75:a}, 12 blocks ($(date +%T))"
-     timeout ${SETTINGS_S:-300} python3 benchmarks/engine_settings.py --model dummy:opt-30b --layers 12 \
+       --out "$OUT" 2>&1 | tail -40; }
+     echo "=== decode settings, ${AUTO:=24x3:0,100,16.67,79.17,25,75:a}, ${LAYERS:=12} blocks ($(date +%T))"
+     timeout ${SETTINGS_S:-300} python3 benchmarks/engine_settings.py --model dummy:opt-30b --layers $LAYERS \
        --gpu-mem 16GiB --cpu-mem 100GiB --hardware $HW --policy "$AUTO" ${SETTINGS:---set FLEXOFF_CPU_KERNEL=0 \
        --set default --set FLEXOFF_CPU_THREADS=8 --set FLEXOFF_CPU_THREADS=16} --out "$OUT/settings" \
        >"$OUT/settings.log" 2>&1
-     grep -v "^\s*$" "$OUT/settings.log" | grep -v "^---" | tail -8 ;;
+     grep -v "^\s*$" "$OUT/settings.log" | grep -v "^---" | tail -8
+     [ -z "${FULL:-}" ] || { echo "=== OPT-30B 512+32, auto ($(date +%T))"
+     timeout ${FULL_S:-280} python3 benchmarks/throughput.py "${OPT30[@]}" --gpu-mem 16GiB --hardware $HW \
+       --policy auto --out "$OUT" 2>&1 | grep -v "^\s*$" | grep -v "^---"; } ;;
   P) # the H200 profile with this host's memory (the profile was measured on a one-GPU host)
      python3 -c "import json; d = json.load(open('$HW')); \
        d['cpu_mem'] = 0.95 * 1024 * int(open('/proc/meminfo').readline().split()[1]); \

@@ -287,14 +287,26 @@ class Engine:
             if slots >= 4 and self.kv.cpu_compute and not run.training else []
         if p.overlap and sweeps:
             self.stage(run, L - 1 if sweeps[0].backward else 0)
-        for plan in block_plan(sweeps, L, K, early=early, ahead=ahead if p.overlap else 0, at=at):
+        # staged KV rows (disk rows under CPU attention) load this many attention steps ahead, into
+        # a ring of one slot more: the next layer's, while the MLP layer before it runs
+        deep = self.kv.lookahead if p.overlap and self.kv.cpu_compute else 0
+        if os.environ.get("FLEXOFF_CACHE_AHEAD") == "0":  # one step ahead only, for comparisons
+            deep = min(deep, 1)
+        for plan in block_plan(sweeps, L, K, early=early, ahead=ahead if p.overlap else 0, at=at,
+                               lookahead=2 * deep + 1):
             step = plan.step
             run.finish_where(lambda c: c.k == step.k)  # this batch's input
             if p.overlap:
                 for j in (step.j,) + plan.stage:  # weights: this layer's (kept), the next ones'
                     self.stage(run, j)
+                left = deep
                 if plan.next is not None:  # the next step's cache and activations
                     self.ops[plan.next.j].load(run, step, plan.next)
+                    left -= self.ops[plan.next.j].load_cache(run, plan.next)  # (already loading)
+                for later in plan.upcoming[1:]:  # and the caches of the attention steps after it
+                    if left <= 0:
+                        break
+                    left -= self.ops[later.j].load_cache(run, later)
             op = self.ops[step.j]
             op.backward(run, step) if step.backward else op.forward(run, step)
             if not p.overlap:

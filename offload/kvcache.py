@@ -23,7 +23,7 @@ from flexoff.offload.lanes import Event, Lanes, Tracked
 from flexoff.offload.mover import Mover, Span, span_of
 from flexoff.offload.placement import TIERS, row_segments, row_split
 from flexoff.offload.tiers import Ledger
-from flexoff.policy.policy import Policy
+from flexoff.policy.policy import Policy, cache_slots
 
 
 class KVCodec(Protocol):
@@ -123,7 +123,7 @@ def kv_bytes(spec: ModelSpec, rec_bytes: int, policy: Policy, max_tokens: int) -
     per_row = max_tokens * rec_bytes * len(spec.attn_layers) * policy.num_gpu_batches
     staged = split["disk"] + (0 if policy.cpu_cache_compute else split["cpu"])
     out = {t: split[t] * per_row for t in TIERS}
-    out["gpu"] += 2 * staged * max_tokens * rec_bytes
+    out["gpu"] += cache_slots(policy.cpu_cache_compute, policy.num_gpu_batches) * staged * max_tokens * rec_bytes
     return out
 
 
@@ -141,8 +141,11 @@ class KVStore:
                         for t, n in self.split.items() if n > 0}
                        for _ in range(policy.num_gpu_batches)] for _ in spec.attn_layers]
         staged = {t: self.split[t] for t in self.staged_tiers() if self.split[t] > 0}
+        n_slots = cache_slots(self.cpu_compute, policy.num_gpu_batches)
         self.slots = [{t: _Seg(mem.alloc("gpu", n * max_tokens * rec), Tracked()) for t, n in staged.items()}
-                      for _ in range(2)] if staged else []
+                      for _ in range(n_slots)] if staged else []
+        # attention steps whose staged rows may load ahead of the step computing: all slots but its
+        self.lookahead = n_slots - 1 if staged else 0
         # rows that CPU attention reads in place; a compressed cache keeps its records
         self.head_major = self.cpu_compute and isinstance(codec, PlainKV)
         self.cpu_codec: Any = HeadMajorKV(codec.kvh, codec.hd, codec.dtype, max_prompt, max_tokens - max_prompt) \
@@ -190,8 +193,8 @@ class KVStore:
         segs = [(tier, r0, r1) for tier, r0, r1 in self.segments(n) if tier in self.staged_tiers()]
         if not segs:
             return
-        idx = self._next_slot
-        self._next_slot = 1 - idx
+        idx = self._next_slot  # a ring: loads are issued in the order the steps run
+        self._next_slot = (idx + 1) % len(self.slots)
         for key in [key for key, i in self._staged.items() if i == idx]:
             del self._staged[key]
         self._staged[(li, kb)] = idx

@@ -85,6 +85,10 @@ class LayerOp:
             # not for the same batch: its input is what `prev` produces
             e.hidden.prefetch(step.k, step.j)
 
+    def load_cache(self, run: BlockRun, step: Step) -> bool:
+        """Attention's: start loading a decode step's staged KV rows. Other layers read none."""
+        return False
+
     def _inputs(self, run: BlockRun, step: Step) -> tuple[Mapping[str, Any], torch.Tensor]:
         """Layer j's weights and input for this batch, the compute stream waiting for both; in a
         training window the input is also stashed for the reverse sweep."""
@@ -228,10 +232,17 @@ class AttnOp(LayerOp):
         self.li = engine.kv.layer_index[j]
 
     def load(self, run: BlockRun, prev: Step, step: Step) -> None:
-        if not step.backward and step.i >= 1 and not run.trains[step.k]:
-            st = run.states[step.k]
-            self.e.kv.load(self.li, step.k, st.n, st.S + step.i - 1)
+        self.load_cache(run, step)
         super().load(run, prev, step)
+
+    def load_cache(self, run: BlockRun, step: Step) -> bool:
+        """Start loading the staged KV rows a decode step attends over (if not already loading);
+        whether `step` is one that reads them."""
+        if step.backward or step.i < 1 or run.trains[step.k]:
+            return False
+        st = run.states[step.k]
+        self.e.kv.load(self.li, step.k, st.n, st.S + step.i - 1)
+        return True
 
     def window(self, run: BlockRun, step: Step, w: Mapping[str, Any], h: torch.Tensor) -> torch.Tensor:
         fam, st = self.e.fam, run.states[step.k]

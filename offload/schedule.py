@@ -38,6 +38,7 @@ class Plan(NamedTuple):
     next: Step | None  # the step after it (its KV cache and input are loaded now); None at the end
     stage: tuple[int, ...]  # layers whose weights start loading now, in the order they will be needed
     ends: bool  # the last step of its token step (or window's sweep): every group of batches ran it
+    upcoming: tuple[Step, ...] = ()  # the steps after it in its sweep, `lookahead` at most, next first
 
 
 def forward_sweeps(gen_len: int, groups: Sequence[tuple[int, ...]] | None = None) -> list[Sweep]:
@@ -54,10 +55,12 @@ def training_sweeps(windows: int) -> list[Sweep]:
 
 
 def block_plan(sweeps: Sequence[Sweep], num_layers: int, num_batches: int, *, early: Collection[int] = (),
-               ahead: int = 1, at: int = 0) -> Iterator[Plan]:
+               ahead: int = 1, at: int = 0, lookahead: int = 1) -> Iterator[Plan]:
     """The block's steps, sweep by sweep, layer by layer, batch by batch: the weights of layer j
     are loaded once per sweep for all batches. At batch `at` of each layer, the weights of the
-    `ahead` layers that come next in the schedule (into the next sweep too) start loading.
+    `ahead` layers that come next in the schedule (into the next sweep too) start loading. Each
+    plan lists up to `lookahead` steps that follow it in the same sweep (a step of the next sweep
+    may read what this one writes, a KV cache row's new token say, so none is listed).
 
     In decode steps (forward sweeps i >= 1) with two or more batches, layer j in `early` starts
     before layer j - 1 ends: (j, 0) comes just before (j - 1, last batch). Batch 0's input is
@@ -73,7 +76,8 @@ def block_plan(sweeps: Sequence[Sweep], num_layers: int, num_batches: int, *, ea
         stage = tuple(layers[pos + 1:pos + 1 + ahead]) if st.k == ks[min(at, len(ks) - 1)] else ()
         nxt = steps[m + 1][1] if m + 1 < len(steps) else None
         ends = nxt is None or (nxt.i, nxt.backward) != (st.i, st.backward)
-        yield Plan(st, nxt, stage, ends)
+        upcoming = tuple(u for _, u in steps[m + 1:m + 1 + lookahead] if (u.i, u.backward) == (st.i, st.backward))
+        yield Plan(st, nxt, stage, ends, upcoming)
 
 
 

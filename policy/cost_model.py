@@ -36,7 +36,7 @@ from typing import Any, Mapping
 
 from flexoff.models.spec import ModelSpec
 from flexoff.policy.hardware import Hardware
-from flexoff.policy.policy import GPU_RESERVE, weight_slots
+from flexoff.policy.policy import GPU_RESERVE, cache_slots, weight_slots
 from flexoff.quant.sizes import kv_config, kv_record_bytes, layer_bytes, weight_config
 
 VARS = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd")
@@ -117,6 +117,10 @@ class CostModel:
         self.W_total = sum(self.count[k] * self.W[k] for k in KINDS)
         self.W_max = max(self.W.values())
         self.slots = weight_slots(choice.cpu_cache_compute)  # the engine's GPU weight slots
+        self.cache_slots = cache_slots(choice.cpu_cache_compute, choice.num_gpu_batches)
+        # with CPU attention the engine loads an attention layer's disk rows while the MLP layer
+        # before it runs (a ring of cache slots): their reads are priced over the (mlp, attn) pair
+        self.cache_ahead = choice.cpu_cache_compute and choice.overlap and self.count["attn"] == self.count["mlp"] > 0
         # LoRA: the adapters a block uses, of the mean rank; each row's delta FLOPs per token
         used, mean = lora_per_block(work, choice.bls)
         width = {k: spec.lora_width(first[k]) if first[k] is not None else 0 for k in KINDS}
@@ -174,8 +178,9 @@ class CostModel:
                     if ch.compress_cache:
                         gpu += bls * s * self.kv_dense / hw.dequant_bdw
                 elif attn:
-                    t["ctog"] += staged * bls * ctx * self.kv / hw.ctog_bdw
-                    t["dtoc"] += x["cd"] * bls * ctx * self.kv / hw.dtoc_bdw
+                    if not self.cache_ahead:  # else over the pair of layers (cache_pool)
+                        t["ctog"] += staged * bls * ctx * self.kv / hw.ctog_bdw
+                        t["dtoc"] += x["cd"] * bls * ctx * self.kv / hw.dtoc_bdw
                     t["gtoc"] += staged * bls * self.kv / hw.gtoc_bdw_cache
                     t["ctod"] += x["cd"] * bls * self.kv / hw.ctod_bdw_cache
                     gpu += on_gpu * bls * spec.attn_flops(ctx) / hw.bmm_flops_g
@@ -196,6 +201,27 @@ class CostModel:
                 out[(stage, k)] = t
         return out
 
+    def cache_pool(self, x: Mapping[str, Any],
+                   terms: Mapping[tuple[str, str], Mapping[str, Any]]) -> dict[str, Any]:
+        """Decode's transfers that an (mlp, attn) pair of layers shares, by term: seconds the pair
+        keeps the disk and the link busy, its own layers' bytes and the attention layer's staged
+        cache rows (read from disk and copied to the GPU while either layer runs). The pair takes
+        at least that long. Empty where the engine does not load cache rows ahead."""
+        if not self.cache_ahead:
+            return {}
+        hw, bls, ctx = self.hw, self.ch.bls, self.work.prompt_len + self.work.gen_len / 2
+        rows = x["cd"] * bls * ctx * self.kv
+        attn, mlp = terms[("g", "attn")], terms[("g", "mlp")]
+        return {"ctog": attn["ctog"] + mlp["ctog"] + rows / hw.ctog_bdw,
+                "dtoc": attn["dtoc"] + mlp["dtoc"] + rows / hw.dtoc_bdw}
+
+    def pooled_traffic(self, x: Mapping[str, Any]) -> Any:
+        """Seconds of transfers per decode pair that cache_pool adds to the layers' own terms."""
+        if not self.cache_ahead:
+            return 0
+        rows = x["cd"] * self.ch.bls * (self.work.prompt_len + self.work.gen_len / 2) * self.kv
+        return rows / self.hw.ctog_bdw + rows / self.hw.dtoc_bdw
+
     # ---- memory --------------------------------------------------------
     def memory(self, x: Mapping[str, Any]) -> dict[str, Any]:
         """Peak bytes of each tier, as the engine allocates them."""
@@ -211,7 +237,7 @@ class CostModel:
         working += self.spec.inflight_bytes(ch.gpu_batch_size, s, self.work.elem_bytes)
         return {
             "gpu": x["wg"] * self.W_total + self.slots * (1 - x["wg"]) * self.W_max + x["cg"] * cache
-            + 2 * ch.gpu_batch_size * staged * (s + n) * self.kv + x["hg"] * act + working
+            + self.cache_slots * ch.gpu_batch_size * staged * (s + n) * self.kv + x["hg"] * act + working
             + x["wg"] * self.lora_bytes + self.slots * (1 - x["wg"]) * max(self.lora_layer.values()),
             "cpu": x["wc"] * self.W_total + x["cc"] * cache + x["hc"] * act + self.lora_host,
             "disk": x["wd"] * self.W_total + x["cd"] * cache + x["hd"] * act,
@@ -226,11 +252,15 @@ class CostModel:
         terms = self.terms(x)
         pre = sum(self.count[k] * self.layer_time(terms[("p", k)]) for k in KINDS)
         gen = sum(self.count[k] * self.layer_time(terms[("g", k)]) for k in KINDS)
+        pair = self.layer_time(terms[("g", "attn")]) + self.layer_time(terms[("g", "mlp")])
+        pool = max(self.cache_pool(x, terms).items(), key=lambda kv: kv[1], default=("", 0.0))
+        gen += self.count["attn"] * max(0.0, pool[1] - pair)  # pairs the shared transfers hold up
         decode = (n - 1) * gen
         worst = max(KINDS, key=lambda k: self.count[k] * self.layer_time(terms[("g" if n > 1 else "p", k)]))
         stage = "g" if n > 1 else "p"
         term = max(terms[(stage, worst)].items(), key=lambda kv: kv[1])[0]
-        return Prediction(pre, decode, self.throughput(pre + decode), f"{term} ({worst} layers)",
+        where = f"{pool[0]} (mlp, attn pairs)" if n > 1 and pool[1] > pair else f"{term} ({worst} layers)"
+        return Prediction(pre, decode, self.throughput(pre + decode), where,
                           {t: float(v) for t, v in self.memory(x).items()},
                           {f"{st}/{k}": {a: float(b) for a, b in v.items()} for (st, k), v in terms.items()})
 

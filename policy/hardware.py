@@ -242,21 +242,24 @@ def _disk(offload_dir: str | None, buf: torch.Tensor) -> tuple[float, float]:
 
 
 def _cpu_attention(quick: bool = False) -> tuple[float, float]:
-    """KV bytes/s and FLOP/s of decode attention on the CPU over the engine's head-major rows,
-    at a size well past the CPU caches. On a GPU machine it is timed while host-to-device copies
-    stream, as in offloaded decoding, where weight transfers and CPU attention share host memory
-    bandwidth (on an H200 host this halved the rate: 60.7 GB/s alone, 31.7 GB/s in the engine)."""
-    from flexoff.models.attention import attend
+    """KV bytes/s and FLOP/s of decode attention on the CPU through the engine's call
+    (attend_cached: the compiled kernel where it builds) over head-major rows, a prompt area and
+    a generated one, at a size well past the CPU caches. On a GPU machine it is timed while
+    host-to-device copies stream, as in offloaded decoding, where weight transfers and CPU
+    attention share host memory bandwidth (on an H200 host this halved torch's rate: 60.7 GB/s
+    alone, 31.7 GB/s in the engine)."""
+    from flexoff.models.attention import attend_cached
 
     b, heads, d, s = (32, 32, 128, 1024) if not quick else (4, 8, 64, 128)
     cuda = torch.cuda.is_available()
     if not cuda and not quick:
         b = 8
     dtype = torch.float16 if cuda else torch.float32
-    kv = torch.randn(2, b, heads, s, d, dtype=dtype)
+    kv = torch.randn(2, b, heads, s - 1, d, dtype=dtype)
+    gen = torch.zeros(2, b, heads, 1, d, dtype=dtype)
     q = torch.randn(b, heads, 1, d, dtype=dtype)
     mask = torch.ones(b, 1, s, dtype=torch.bool)
-    fn = lambda: attend(q, kv[0], kv[1], mask, d**-0.5)  # noqa: E731
+    fn = lambda: attend_cached(q, (kv[0], kv[1]), (gen[0], gen[1]), (q, q), 0, mask, d**-0.5)  # noqa: E731
     if cuda and not quick:
         src = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
         dst = torch.empty(src.numel(), dtype=torch.uint8, device="cuda")
@@ -274,7 +277,7 @@ def _cpu_attention(quick: bool = False) -> tuple[float, float]:
         t = min(t, _timed(fn, lambda: None, repeat=1) * 4)  # never worse than 4x the quiet rate
     else:
         t = _timed(fn, lambda: None, repeat=3)
-    return kv.numel() * kv.element_size() / t, 4 * b * heads * d * s / t
+    return 2 * b * heads * s * d * dtype.itemsize / t, 4 * b * heads * d * s / t
 
 
 def _dequant(dev: torch.device, quick: bool = False) -> tuple[float, float]:

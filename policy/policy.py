@@ -27,6 +27,14 @@ def weight_slots(cpu_cache_compute: bool) -> int:
     return 4 if cpu_cache_compute else 2
 
 
+def cache_slots(cpu_cache_compute: bool, num_gpu_batches: int) -> int:
+    """GPU slots the engine loads a (layer, batch)'s staged KV rows into: two (this step's and the
+    next's) where the GPU attends over CPU rows; with CPU attention only disk rows are staged (few),
+    and there is one per GPU batch and one more, so the next attention layer's rows load from disk
+    while the MLP layer before it runs."""
+    return num_gpu_batches + 1 if cpu_cache_compute else 2
+
+
 @dataclass(frozen=True)
 class Policy:
     gpu_batch_size: int = 1  # sequences computed together on the GPU

@@ -17,7 +17,7 @@ import itertools
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Iterable, Literal
+from typing import Iterable, Literal, Mapping
 
 import pulp
 
@@ -77,9 +77,10 @@ def solve_lp(model: CostModel, budget: Budget, max_latency: float | None = None,
     # times in units of the block's latency with everything on the GPU, so that the solver's
     # tolerances mean the same for a tiny model as for a large one
     unit = max(model.evaluate({v: float(v.endswith("g")) for v in model.vars}).latency, 1e-12)
-    latency, traffic = 0, 0
-    for (stage, kind), terms in model.terms(x).items():
-        t = _var(prob, f"T_{stage}_{kind}", None)
+    latency, traffic, T = 0, 0, {}
+    all_terms = model.terms(x)
+    for (stage, kind), terms in all_terms.items():
+        t = T[(stage, kind)] = _var(prob, f"T_{stage}_{kind}", None)
         if model.ch.overlap:
             for name, expr in terms.items():
                 prob += t >= expr * (1 / unit), f"{stage}_{kind}_{name}"
@@ -88,6 +89,10 @@ def solve_lp(model: CostModel, budget: Budget, max_latency: float | None = None,
         steps = model.count[kind] * model.sweep_count(stage)
         latency += steps * t
         traffic += steps * pulp.lpSum(terms[k] for k in TRANSFERS) * (1 / unit)
+    pairs = model.count["attn"] * model.sweep_count("g")
+    for name, expr in model.cache_pool(x, all_terms).items():  # transfers an (mlp, attn) pair shares
+        prob += T[("g", "attn")] + T[("g", "mlp")] >= expr * (1 / unit), f"g_pair_{name}"
+    traffic += pairs * model.pooled_traffic(x) * (1 / unit)
     prob += (traffic if least_traffic else latency) + model.preference(x)
     for tier, expr in model.memory(x).items():
         prob += expr <= getattr(budget, tier), f"mem_{tier}"
@@ -107,20 +112,24 @@ def _var(prob: pulp.LpProblem, name: str, upper: float | None) -> pulp.LpVariabl
     return pulp.LpVariable(name, 0, upper)
 
 
-def round_policy(x: dict[str, float], ch: Choice) -> tuple[Policy, dict[str, float]]:
+def round_policy(x: dict[str, float], ch: Choice,
+                 up: Mapping[str, tuple[int, int]] | None = None) -> tuple[Policy, dict[str, float]]:
     """A runnable Policy near the LP solution (GPU shares rounded down), and its fractions; a
-    training LP's stash fractions (sg, sc, sd) too."""
+    training LP's stash fractions (sg, sc, sd) too. Rows of a GPU batch are whole: by default a
+    tier's row counts (GPU, then GPU and CPU) round down; `up` rounds them up instead where it
+    says so, per tier prefix ("c" cache, "h" activations): (GPU rows, GPU and CPU rows)."""
     gbs, eps = ch.gpu_batch_size, 1e-6
     wg = math.floor(x["wg"] * 1000 + eps) / 1000
     wgc = 1.0 if x["wd"] < 1e-4 else math.floor((x["wg"] + x["wc"]) * 1000 + eps) / 1000
 
-    def rows(g: float, c: float, d: float) -> tuple[float, float]:
-        ng = math.floor(g * gbs + eps)
-        ngc = gbs if d < eps else max(ng, math.floor((g + c) * gbs + eps))
+    def rows(g: float, c: float, d: float, bump: tuple[int, int] = (0, 0)) -> tuple[float, float]:
+        ng = min(gbs, math.floor(g * gbs + eps) + bump[0])
+        ngc = gbs if d < eps else min(gbs, max(ng, math.floor((g + c) * gbs + eps) + bump[1]))
         return ng / gbs, (ngc - ng) / gbs
 
-    cg, cc = rows(x["cg"], x["cc"], x["cd"])
-    hg, hc = rows(x["hg"], x["hc"], x["hd"])
+    up = up or {}
+    cg, cc = rows(x["cg"], x["cc"], x["cd"], up.get("c", (0, 0)))
+    hg, hc = rows(x["hg"], x["hc"], x["hd"], up.get("h", (0, 0)))
     frac = {"wg": wg, "wc": wgc - wg, "wd": 1 - wgc, "cg": cg, "cc": cc, "cd": 1 - cg - cc,
             "hg": hg, "hc": hc, "hd": 1 - hg - hc}
     stash = {}
@@ -192,12 +201,22 @@ def search(spec: ModelSpec, hw: Hardware, work: Workload, budget: Budget, *,
 REFINE = 8  # top candidates whose ties are broken by a second LP
 
 
+BUMPS = ((0, 0), (0, 1), (1, 0), (1, 1))  # a tier's row counts rounded down, or one up
+
+
 def _candidate(model: CostModel, x: dict[str, float], budget: Budget, max_latency: float | None) -> Candidate | None:
-    policy, frac = round_policy(x, model.ch)
-    pred = model.evaluate(frac)
-    if not _fits(pred.memory, budget) or (max_latency is not None and pred.latency > max_latency * 1.001):
-        return None
-    return Candidate(policy, pred)
+    """The best runnable rounding of the LP's fractions: cache and activation rows rounded down,
+    or up by a row where that is faster and fits (a fraction of a row on disk, rounded to a whole
+    one, can cost more than the row is worth)."""
+    best = None
+    for cu, hu in itertools.product(BUMPS, BUMPS):
+        policy, frac = round_policy(x, model.ch, {"c": cu, "h": hu})
+        pred = model.evaluate(frac)
+        if not _fits(pred.memory, budget) or (max_latency is not None and pred.latency > max_latency * 1.001):
+            continue
+        if best is None or pred.latency < best.prediction.latency * (1 - 1e-9):
+            best = Candidate(policy, pred)
+    return best
 
 
 def _infeasible_message(spec: ModelSpec, hw: Hardware, work: Workload, budget: Budget,

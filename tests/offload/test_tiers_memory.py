@@ -325,3 +325,45 @@ def test_disk_writes_of_transient_outputs_are_bounded(tmp_path, monkeypatch):
     lanes.close()
     mem.release()
     tiers.close()
+
+
+def test_disk_cache_rows_load_a_layer_ahead_under_cpu_attention(tiny, tiny_refs, monkeypatch):
+    """CPU attention with a row of each GPU batch's cache on disk, three GPU batches: in every
+    decode step, all three batches' disk rows of attention layer j + 1 start loading before the
+    MLP layer j in front of it computes (a ring of four GPU slots; with two, a batch's rows
+    loaded one step ahead, inside the attention layer). The tokens stay the reference's."""
+    from flexoff.offload.layer_ops import AttnOp, MlpOp
+
+    events = []
+    load_cache, mlp_forward = AttnOp.load_cache, MlpOp.forward
+
+    def logged_load(self, run, step):
+        loads = load_cache(self, run, step)
+        if loads:
+            events.append(("load", step.i, step.j, step.k))
+        return loads
+
+    def logged_mlp(self, run, step):
+        events.append(("mlp", step.i, step.j, step.k))
+        return mlp_forward(self, run, step)
+
+    monkeypatch.setattr(AttnOp, "load_cache", logged_load)
+    monkeypatch.setattr(MlpOp, "forward", logged_mlp)
+    policy = Policy(gpu_batch_size=4, num_gpu_batches=3, cache_gpu_percent=25, cache_cpu_percent=50,
+                    cpu_cache_compute=True)
+    prompts = (PROMPTS * 3)[:12]
+    with LLM(str(tiny["opt"].path)) as llm:
+        llm.policy_arg = policy
+        got = [c.token_ids for c in llm.generate([{"prompt_ids": q} for q in prompts],
+                                                   max_new_tokens=4).completions]
+        assert len(llm.engine.kv.slots) == 4
+        kinds = [layer.kind for layer in llm.model.spec.layers]
+    assert got == [tiny_refs["opt"][n % len(PROMPTS)][0][:4] for n in range(12)]
+    checked = 0
+    for n, ev in enumerate(events):
+        if ev[0] != "mlp" or ev[3] != 0 or ev[1] < 1 or ev[2] + 1 >= len(kinds) or kinds[ev[2] + 1] != "attn":
+            continue
+        i, j = ev[1], ev[2]
+        assert {("load", i, j + 1, k) for k in range(3)} <= set(events[:n]), (i, j)
+        checked += 1
+    assert checked >= 3 * 2  # decode steps x (mlp, attn) pairs

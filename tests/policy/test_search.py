@@ -21,10 +21,12 @@ def spec(name: str):
 
 
 def test_opt_30b_on_t4_matches_table_15_shape():
-    """Paper: 48x3 (20, 80, 0, 100, 0, 100): weights and cache on the CPU, block of 144."""
+    """Paper: 48x3 (20, 80, 0, 100, 0, 100): weights and cache on the CPU, block of 144. Our engine
+    reads an attention layer's disk rows while the MLP layer before it runs, which FlexGen's does
+    not, so a few rows on disk cost little here: the cache is on the CPU but for those."""
     best = search(spec("opt-30b"), T4, W512, Budget.of(T4))[0].policy
     assert best.w_disk_percent == 0 and best.w_cpu_percent >= 75  # weights: CPU (and a little GPU)
-    assert best.cache_disk_percent == 0 and best.cache_cpu_percent >= 75  # cache: CPU
+    assert best.cache_disk_percent <= 10 and best.cache_cpu_percent >= 75  # cache: CPU
     assert 64 <= best.block_size <= 512  # block size in the paper's range
 
 
@@ -229,3 +231,29 @@ def test_host_step_is_measured_from_the_engine():
 
     t = host_step(torch.device("cpu"))
     assert 1e-6 < t < 0.05  # a tiny model's step: Python and bookkeeping, not arithmetic
+
+
+def test_whole_rows_rounded_to_the_faster_neighbour():
+    """OPT-30B under CPU attention at 24x3, 16 GiB GPU, 100 GiB CPU, the H200 as profiled: the LP
+    puts 1.6 rows of each batch's cache on disk. Rounding the row counts down puts two there, and
+    the disk reads then hold up every (mlp, attn) pair; the candidate is the fastest rounding
+    that fits (one row on disk), and never slower than rounding down."""
+    from pathlib import Path
+
+    from flexoff.policy.hardware import load
+    from flexoff.policy.search import _candidate, round_policy
+
+    G = 2**30
+    hw = load(str(Path(__file__).parents[2] / "benchmarks" / "data" / "h200-measured.json"))
+    model = CostModel(spec("opt-30b"), hw, W512, Choice(24, 3, cpu_cache_compute=True))
+    budget = Budget(16 * G, 100 * G, 64 * G)
+    x, _ = solve_lp(model, budget)
+    assert 1 < x["cd"] * 24 < 2
+    down = model.evaluate(round_policy(x, model.ch)[1])
+    cand = _candidate(model, x, budget, None)
+    assert cand is not None and cand.prediction.latency < 0.9 * down.latency
+    assert cand.policy.cache_disk_percent == pytest.approx(100 / 24)
+    for name, m in cand.prediction.memory.items():
+        assert m <= getattr(budget, name)
+    rows = [p * 24 / 100 for p in (cand.policy.cache_gpu_percent, cand.policy.cache_cpu_percent)]
+    assert all(abs(r - round(r)) < 1e-9 for r in rows)
