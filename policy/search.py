@@ -90,7 +90,7 @@ def solve_lp(model: CostModel, budget: Budget, max_latency: float | None = None,
         latency += steps * t
         traffic += steps * pulp.lpSum(terms[k] for k in TRANSFERS) * (1 / unit)
     pairs = model.count["attn"] * model.sweep_count("g")
-    for name, expr in model.cache_pool(x, all_terms).items():  # transfers an (mlp, attn) pair shares
+    for name, expr in model.cache_pool(x, all_terms).items():  # what an (attn, mlp) pair shares
         prob += T[("g", "attn")] + T[("g", "mlp")] >= expr * (1 / unit), f"g_pair_{name}"
     traffic += pairs * model.pooled_traffic(x) * (1 / unit)
     prob += (traffic if least_traffic else latency) + model.preference(x)
