@@ -99,6 +99,14 @@ def decode_attention(q: torch.Tensor, prompt: tuple[torch.Tensor, torch.Tensor],
     return out.view(b, nh, 1, d)
 
 
+def cpu_attention_threads() -> int:
+    """Threads CPU attention computes with next to a GPU: FLEXOFF_CPU_THREADS, or three quarters
+    of torch's threads, leaving cores to the threads that drive the GPU (an OpenMP team that
+    shares a core with them waits for its slowest member at every operation)."""
+    env = os.environ.get("FLEXOFF_CPU_THREADS")
+    return max(1, int(env) if env else torch.get_num_threads() * 3 // 4)
+
+
 def simd() -> bool:
     """Whether the built kernel has its AVX-512 path (else it runs plain loops)."""
     return build() and bool(torch.ops.flexoff.cpu_kernel_simd())

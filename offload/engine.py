@@ -27,6 +27,7 @@ from typing import Callable, Iterable, Iterator, Mapping, Sequence
 import torch
 
 from flexoff.kernels import cpu_attention as cpu_kernel
+from flexoff.kernels.cpu_attention import cpu_attention_threads
 from flexoff.models.base import Family
 from flexoff.models.spec import ModelSpec
 from flexoff.offload.activations import HiddenStore, Stash, keeps_graphs
@@ -57,14 +58,6 @@ def adapter_bytes(need: Need, host: int, layouts: list[Layout], policy: Policy, 
     resident) or a page per weight slot (weights streamed); in host memory every loaded one."""
     paged = not all(s.resident for s in plan_weights(layouts, policy))
     return {"gpu": need.gpu_bytes(paged, weight_slots(policy.cpu_cache_compute), dtype.itemsize), "cpu": host}
-
-
-def cpu_attention_threads() -> int:
-    """Threads CPU attention computes with next to a GPU: FLEXOFF_CPU_THREADS, or three quarters
-    of torch's threads, leaving cores to the threads that drive the GPU (an OpenMP team that
-    shares a core with them waits for its slowest member at every operation)."""
-    env = os.environ.get("FLEXOFF_CPU_THREADS")
-    return max(1, int(env) if env else torch.get_num_threads() * 3 // 4)
 
 
 class Engine:
