@@ -214,8 +214,9 @@ class CostModel:
                    terms: Mapping[tuple[str, str], Mapping[str, Any]]) -> dict[str, Any]:
         """Decode's work that an (attn, mlp) pair of layers shares, by term: seconds the pair
         keeps the disk and the link busy, its own layers' bytes and the attention layer's staged
-        cache rows (read from disk and copied to the GPU while either layer runs), and the CPU's
-        attention (running on while the MLP layer computes). The pair takes at least that long.
+        cache rows (read from disk and copied to the GPU while either layer runs), the CPU's
+        attention (running on while the MLP layer computes), and host memory, which the link's
+        copies and CPU attention read together. The pair takes at least that long.
         Empty where the engine does not load cache rows ahead."""
         if not self.cache_ahead:
             return {}
@@ -226,6 +227,10 @@ class CostModel:
                 "dtoc": attn["dtoc"] + mlp["dtoc"] + rows / hw.dtoc_bdw}
         if self.cpu_ahead:
             pool["cpu_comp"] = self._cpu_attention(x)
+            # the link's copies and CPU attention both read host memory: together no faster than it
+            # (measured on the H200 host: OPT-30B pairs moved 80-83 GB/s, its cpu_mem_bdw 80)
+            read = pool["ctog"] * hw.ctog_bdw + x["cc"] * bls * ctx * self.kv
+            pool["host_mem"] = read / hw.cpu_mem_bdw
         return pool
 
     def pooled_traffic(self, x: Mapping[str, Any]) -> Any:
