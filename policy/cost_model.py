@@ -121,9 +121,6 @@ class CostModel:
         # with CPU attention the engine loads an attention layer's disk rows while the MLP layer
         # before it runs (a ring of cache slots): their reads are priced over the (attn, mlp) pair
         self.cache_ahead = choice.cpu_cache_compute and choice.overlap and self.count["attn"] == self.count["mlp"] > 0
-        # and with two or more GPU batches a layer's CPU attention runs on while the MLP layer after
-        # it computes (each MLP batch waits for its own batch's call only): priced over the pair too
-        self.cpu_ahead = self.cache_ahead and choice.num_gpu_batches > 1
         # LoRA: the adapters a block uses, of the mean rank; each row's delta FLOPs per token
         used, mean = lora_per_block(work, choice.bls)
         width = {k: spec.lora_width(first[k]) if first[k] is not None else 0 for k in KINDS}
@@ -192,7 +189,9 @@ class CostModel:
                     if cpu_attn:  # q and new k, v go down; the output comes back
                         t["gtoc"] += x["cc"] * bls * (self.Q + self.kv_dense) / hw.gtoc_bdw_hidden
                         t["ctog"] += x["cc"] * bls * self.Q / hw.ctog_bdw
-                        cpu = 0.0 if self.cpu_ahead else self._cpu_attention(x)  # else over the pair
+                        cpu = x["cc"] * bls * ctx * self.kv / hw.cpu_attn_bdw
+                        if ch.compress_cache:
+                            cpu += x["cc"] * bls * ctx * self.kv_dense / hw.cpu_dequant_bdw
                 # the schedule's own work per step, and what LoRA adds to it (wrapping, launches)
                 t["host"] = ch.num_gpu_batches * (hw.host_step_s + (hw.lora_host_step_s if self.lora_F[k] else 0.0))
                 if ch.num_gpu_batches > 1:  # CPU attention of one batch overlaps the next's GPU work
@@ -202,36 +201,22 @@ class CostModel:
                 out[(stage, k)] = t
         return out
 
-    def _cpu_attention(self, x: Mapping[str, Any]) -> Any:
-        """Seconds of one decode attention layer's CPU attention (all the block's CPU rows)."""
-        hw, bls, ctx = self.hw, self.ch.bls, self.work.prompt_len + self.work.gen_len / 2
-        cpu = x["cc"] * bls * ctx * self.kv / hw.cpu_attn_bdw
-        if self.ch.compress_cache:
-            cpu += x["cc"] * bls * ctx * self.kv_dense / hw.cpu_dequant_bdw
-        return cpu
-
     def cache_pool(self, x: Mapping[str, Any],
                    terms: Mapping[tuple[str, str], Mapping[str, Any]]) -> dict[str, Any]:
-        """Decode's work that an (attn, mlp) pair of layers shares, by term: seconds the pair
+        """Decode's transfers that an (attn, mlp) pair of layers shares, by term: seconds the pair
         keeps the disk and the link busy, its own layers' bytes and the attention layer's staged
-        cache rows (read from disk and copied to the GPU while either layer runs), the CPU's
-        attention (running on while the MLP layer computes), and host memory, which the link's
-        copies and CPU attention read together. The pair takes at least that long.
-        Empty where the engine does not load cache rows ahead."""
+        cache rows (read from disk and copied to the GPU while either layer runs). The pair takes
+        at least that long. Empty where the engine does not load cache rows ahead. (CPU attention
+        stays priced per attention layer: pricing it over the pair too, with host memory shared by
+        the link and the CPU, predicted the policies it rated best at 0.85 on the H200, and ranked
+        a slower one first; benchmarks/RESULTS.md.)"""
         if not self.cache_ahead:
             return {}
         hw, bls, ctx = self.hw, self.ch.bls, self.work.prompt_len + self.work.gen_len / 2
         rows = x["cd"] * bls * ctx * self.kv
         attn, mlp = terms[("g", "attn")], terms[("g", "mlp")]
-        pool = {"ctog": attn["ctog"] + mlp["ctog"] + rows / hw.ctog_bdw,
+        return {"ctog": attn["ctog"] + mlp["ctog"] + rows / hw.ctog_bdw,
                 "dtoc": attn["dtoc"] + mlp["dtoc"] + rows / hw.dtoc_bdw}
-        if self.cpu_ahead:
-            pool["cpu_comp"] = self._cpu_attention(x)
-            # the link's copies and CPU attention both read host memory: together no faster than it
-            # (measured on the H200 host: OPT-30B pairs moved 80-83 GB/s, its cpu_mem_bdw 80)
-            read = pool["ctog"] * hw.ctog_bdw + x["cc"] * bls * ctx * self.kv
-            pool["host_mem"] = read / hw.cpu_mem_bdw
-        return pool
 
     def pooled_traffic(self, x: Mapping[str, Any]) -> Any:
         """Seconds of transfers per decode pair that cache_pool adds to the layers' own terms."""
