@@ -61,7 +61,8 @@ def build(verbose: bool = False) -> bool:
                                extra_cflags=list(CFLAGS), is_python_module=False, verbose=verbose)
             _state["ok"] = True
         except Exception as exc:  # noqa: BLE001 - any failure means: use the torch path
-            _state["ok"], _state["error"] = False, f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1:]}"
+            last = (str(exc).strip().splitlines() or [""])[-1]  # a compiler's last line says most
+            _state["ok"], _state["error"] = False, f"{type(exc).__name__}: {last}"
             warnings.warn(f"flexoff: CPU attention kernel not built ({_state['error']}); "
                           "using torch's matmuls (slower)", RuntimeWarning, stacklevel=2)
         return bool(_state["ok"])

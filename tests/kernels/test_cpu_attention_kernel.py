@@ -51,3 +51,30 @@ def test_rejects_mismatched_inputs():
         ck.decode_attention(q, (kp.half(), vp.half()), (kg.half(), vg.half()), mask, 0.25)
     with pytest.raises(RuntimeError, match="mask"):
         ck.decode_attention(q, (kp, vp), (kg, vg), mask[:, :, :4], 0.25)
+
+
+def test_a_failed_build_warns_once_and_torch_runs(monkeypatch):
+    """No compiler (the build raises): one warning, and attend_cached still gives the right
+    attention through torch's matmuls."""
+    from torch.utils import cpp_extension
+
+    from flexoff.models.attention import attend_cached
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(ck, "_state", {})
+    monkeypatch.setattr(cpp_extension, "load", no_compiler)
+    q = torch.randn(2, 4, 1, 16)
+    kp, vp = torch.randn(2, 2, 2, 5, 16)
+    kg, vg = torch.zeros(2, 2, 2, 3, 16)
+    new = torch.randn(2, 2, 2, 1, 16)
+    mask = torch.ones(2, 1, 6, dtype=torch.bool)
+    with pytest.warns(RuntimeWarning, match="Ninja is required") as caught:
+        out = attend_cached(q, (kp, vp), (kg, vg), (new[0], new[1]), 0, mask, 0.25)
+        attend_cached(q, (kp, vp), (kg, vg), (new[0], new[1]), 0, mask, 0.25)
+    assert len([w for w in caught if "CPU attention kernel" in str(w.message)]) == 1
+    assert not ck.enabled() and "Ninja" in ck.error()
+    ref = brute_force(q.double(), torch.cat([kp, kg[:, :, :1]], 2).double(), torch.cat([vp, vg[:, :, :1]], 2).double(),
+                      mask, 0.25)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
