@@ -7,6 +7,7 @@ the same weights, never from flexoff itself.
 from __future__ import annotations
 
 import importlib.util
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -181,3 +182,21 @@ def peft_losses(path, init, batches, cfg, steps: int, device: str = "cpu"):
         opt.zero_grad()
         losses.append(float(loss))
     return losses, model
+
+
+def brute_force(q, k, v, mask, scale):
+    """Per row and query head: softmax over allowed keys of q.k * scale, then the weighted sum of
+    values; query head h reads kv head h // (heads // kv_heads)."""
+    b, nh, _, d = q.shape
+    kvh = k.shape[1]
+    out = torch.zeros(b, nh, 1, d, dtype=torch.float64)
+    for r in range(b):
+        for h in range(nh):
+            kh = h // (nh // kvh)
+            allowed = [t for t in range(k.shape[2]) if mask[r, 0, t]]
+            logits = [float(q[r, h, 0] @ k[r, kh, t]) * scale for t in allowed]
+            top = max(logits)
+            w = [math.exp(x - top) for x in logits]
+            for wt, t in zip(w, allowed):
+                out[r, h, 0] += wt / sum(w) * v[r, kh, t]
+    return out

@@ -6,7 +6,7 @@ import torch
 
 from flexoff.kernels import cpu_attention as ck
 from flexoff.models.attention import attend_two_areas
-from tests.models.test_attention import brute_force
+from reference import brute_force
 
 PATHS = ["torch", "kernel", "kernel-plain"]
 

@@ -6,24 +6,7 @@ import pytest
 import torch
 
 from flexoff.models.attention import attend_cached
-
-
-def brute_force(q, k, v, mask, scale):
-    """Per row and query head: softmax over allowed keys of q.k * scale, then the weighted sum of
-    values; query head h reads kv head h // (heads // kv_heads)."""
-    b, nh, _, d = q.shape
-    kvh = k.shape[1]
-    out = torch.zeros(b, nh, 1, d, dtype=torch.float64)
-    for r in range(b):
-        for h in range(nh):
-            kh = h // (nh // kvh)
-            allowed = [t for t in range(k.shape[2]) if mask[r, 0, t]]
-            logits = [float(q[r, h, 0] @ k[r, kh, t]) * scale for t in allowed]
-            top = max(logits)
-            w = [math.exp(x - top) for x in logits]
-            for wt, t in zip(w, allowed):
-                out[r, h, 0] += wt / sum(w) * v[r, kh, t]
-    return out
+from reference import brute_force
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # scores in float32, as the engine
