@@ -172,12 +172,13 @@ if HAVE_TRITON:
                  mask=rmask & (cols[None, :] < 2 * NB))
 
     @triton.jit
-    def _qmatmul4_kernel(x_ptr, data_ptr, scale_ptr, mn_ptr, y_ptr, M, NB, K, sx, sd, ss, sy, K_SPLIT,
+    def _qmatmul4_kernel(x_ptr, data_ptr, scale_ptr, mn_ptr, y_ptr, M, NB, K, sx, sd, ss, sy, s_split, K_SPLIT,
                          GROUP: tl.constexpr, BM: tl.constexpr, HB: tl.constexpr, BK: tl.constexpr):
-        """y (M, 2 NB) += x (M, K) @ W for one block of output columns and one slice of K.
+        """y[slice] (M, 2 NB) = x (M, K) @ W for one block of output columns and one slice of K.
         W's codes are unpacked and dequantized tile by tile in registers (never written to
-        memory); low and high nibbles feed two dots (even and odd columns); partial sums from
-        the K slices are added atomically in float32."""
+        memory); low and high nibbles feed two dots (even and odd columns); each K slice writes
+        its own float32 partial sums (the caller adds them in a fixed order: atomic adds made
+        the result depend on timing, and greedy ties came out either way between runs)."""
         NG: tl.constexpr = 2 * HB // GROUP
         bcols = tl.program_id(0) * HB + tl.arange(0, HB)
         gcols = tl.program_id(0) * NG + tl.arange(0, NG)
@@ -202,8 +203,8 @@ if HAVE_TRITON:
             acc_hi += tl.dot(x, hi)
         out = tl.reshape(tl.join(acc_lo, acc_hi), (BM, 2 * HB))
         cols = tl.program_id(0) * 2 * HB + tl.arange(0, 2 * HB)
-        tl.atomic_add(y_ptr + rm[:, None] * sy + cols[None, :], out,
-                      mask=(rm[:, None] < M) & (cols[None, :] < 2 * NB))
+        tl.store(y_ptr + tl.program_id(1) * s_split + rm[:, None] * sy + cols[None, :], out,
+                 mask=(rm[:, None] < M) & (cols[None, :] < 2 * NB))
 
 
 def _rows_ok(t: torch.Tensor) -> torch.Tensor:
@@ -266,15 +267,15 @@ def qmatmul_triton(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, mn:
     M, K = x.shape
     assert data.shape[0] == K and M <= 64  # the kernel's limit; dispatch uses it up to FUSED_MAX_ROWS
     NB = data.shape[1]
-    y = torch.zeros(M, 2 * NB, dtype=torch.float32, device=x.device)
     BM = max(16, triton.next_power_of_2(M))
     blocks = triton.cdiv(NB, HB)
     sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
     splits = max(1, min(triton.cdiv(K, BK), t["waves"] * sms // blocks))  # enough programs to fill the GPU
     k_split = triton.cdiv(triton.cdiv(K, splits), BK) * BK
     grid = (blocks, triton.cdiv(K, k_split))
-    _qmatmul4_kernel[grid](x, data, scale, mn, y, M, NB, K, x.stride(0), data.stride(0), scale.stride(0),
-                           y.stride(0), k_split, GROUP=cfg.group, BM=BM, HB=HB, BK=BK, num_warps=t["num_warps"],
-                           num_stages=t["num_stages"])
-    y = y[:, :n]
+    parts = torch.empty(grid[1], M, 2 * NB, dtype=torch.float32, device=x.device)
+    _qmatmul4_kernel[grid](x, data, scale, mn, parts, M, NB, K, x.stride(0), data.stride(0), scale.stride(0),
+                           parts.stride(1), parts.stride(0), k_split, GROUP=cfg.group, BM=BM, HB=HB, BK=BK,
+                           num_warps=t["num_warps"], num_stages=t["num_stages"])
+    y = (parts[0] if grid[1] == 1 else parts.sum(0))[:, :n]
     return (y if bias is None else y + bias).to(x.dtype)
