@@ -175,6 +175,7 @@ class LLM:
         # --policy auto for training: micro-batch -> (longest window planned, policy, prediction)
         self._training_plans: dict[int, tuple[int, Policy, Any]] = {}
         self.training_prediction: Any = None  # the cost model's Prediction of the last auto training step
+        self.coserve_plan: Any = None  # the last auto co-served plan (policy.coserve_cost.CoServePlan)
         # the tiers and weights, which outlive engines
         link = world.link if world is not None else None
         if link is not None and link.stages > self.model.spec.num_layers:
@@ -320,6 +321,26 @@ class LLM:
                 self._job = job
         return Policy.load(p)
 
+    def choose_coserve_policy(self, requests: Sequence[Request], rider: Any) -> Policy:
+        """`--policy auto` for inference with finetuning windows riding on its blocks: the searched
+        co-served plan (policy/coserve_cost.py) for these requests and the rider's jobs, kept in
+        `coserve_plan`. The rider takes the plan's window batches (at most the `batches` it had),
+        and its slowdown bound the share of blocks the plan gives windows."""
+        from flexoff.autopolicy import auto_coserve_plan
+
+        names = rider.adapters
+        plan = auto_coserve_plan(
+            self, max(len(r.prompt_ids) for r in requests), max(1, max(r.params.max_new_tokens for r in requests)),
+            len(requests), seq_len=rider.max_len, window_rows=max(1, sum(j.trainer.cfg.per_step for j in rider.jobs)),
+            lora_rank=sum(self.adapter_rank(a) for a in names) / max(1, len(names)),
+            limit=rider.bound.limit if rider.bound is not None else None, max_windows=rider.batches,
+            need=self.adapter_need(len(requests), requests, names))
+        rider.batches = plan.windows
+        if rider.bound is not None:
+            rider.bound.limit = plan.runtime_limit
+        self.coserve_plan = plan
+        return plan.policy
+
     def choose_policy_for_training(self, n: int, seq_len: int, adapter: str) -> Policy:
         """The policy training steps of n sequences of up to seq_len tokens (of the loaded
         adapter `adapter`) run under: the one given, everything on the compute device, or (auto)
@@ -444,6 +465,8 @@ class LLM:
         if not reqs:
             return GenerationOutput([], stats)
         self._job = reqs
+        if policy is None and rider is not None and self.policy_arg == "auto":
+            policy = self.choose_coserve_policy(reqs, rider)
         policy = self.last_policy = policy or self.choose_policy(reqs)
         spare = rider.batches if rider is not None else 0  # GPU batches a block leaves to training windows
         if spare and self.stage_policy(policy).num_gpu_batches <= spare:

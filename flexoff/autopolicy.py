@@ -2,8 +2,9 @@
 
 Knows: where the hardware profile comes from (a preset, a file, or this
 machine's cached profile, measured once), the job's workload (longest prompt,
-longest generation, number of prompts) or a training step's (micro-batch,
-longest sequence, LoRA rank), the user's budgets, and that the
+longest generation, number of prompts), a training step's (micro-batch,
+longest sequence, LoRA rank) or a co-served block's (both, and the inference
+slowdown allowed), the user's budgets, and that the
 search's winner must also pass the engine's own memory accounting; the first
 candidate that does is used.
 Does not know: the cost model's terms (policy/) or the schedule (offload/).
@@ -22,15 +23,16 @@ from flexoff.offload.engine import adapter_bytes
 from flexoff.offload.layout import Layout
 from flexoff.offload.memory import MemoryPlan, check, plan_memory
 from flexoff.offload.placement import TIERS
+from flexoff.policy.coserve_cost import CoServePlan, search_coserve
 from flexoff.policy.cost_model import Workload
 from flexoff.policy.policy import Policy
 from flexoff.policy.search import Budget, Candidate, default_shapes, search, search_training
 
 
 def engine_plan(llm: Any, policy: Policy, prompt_len: int, gen_len: int, training: bool = False,
-                need: Need | None = None) -> MemoryPlan:
+                need: Need | None = None, windows: int | None = None) -> MemoryPlan:
     """What the engine would allocate for this policy (`need`: its adapters' room, if not the job's;
-    training, the trained adapter's)."""
+    training, the trained adapter's; `windows`: of a co-served block's batches, those that train)."""
     from flexoff.quant.engine import formats
 
     spec, policy = llm.plan_spec, llm.stage_policy(policy)  # a pipeline's heaviest stage
@@ -40,7 +42,7 @@ def engine_plan(llm: Any, policy: Policy, prompt_len: int, gen_len: int, trainin
     return plan_memory(spec, layouts, codec.rec_bytes, policy, prompt_len, gen_len, llm.dtype,
                        llm.device.type == "cuda", training,
                        adapters=adapter_bytes(need, llm.adapter_host_bytes(), layouts, policy, llm.dtype),
-                       trained=need.elements if training else 0)
+                       trained=need.elements if training else 0, windows=windows)
 
 
 def _budget(llm: Any) -> tuple[Any, Budget]:
@@ -54,20 +56,22 @@ def _budget(llm: Any) -> tuple[Any, Budget]:
                       min(budget.disk, hw.disk_mem / share))
 
 
-def _first_that_fits(llm: Any, budget: Budget, searched: Callable[[Budget], list[Candidate]],
-                     plan: Callable[[Policy], MemoryPlan]) -> Candidate:
-    """The best searched candidate that the engine's own accounting accepts. Where the engine
-    needs more than the cost model counted for candidates ranked above the first that passes
-    (alignment, staging of whole tensors), the search is run again with budgets lowered by the
-    difference, and the better of the passing candidates is kept."""
+def _first_that_fits(llm: Any, budget: Budget, searched: Callable[[Budget], list[Any]],
+                     plan: Callable[[Any], MemoryPlan],
+                     key: Callable[[Any], Any] = lambda c: c.prediction.throughput) -> Any:
+    """The best searched candidate (a Candidate, or anything with its policy and prediction,
+    ranked by `key`, larger first) that the engine's own accounting (`plan`) accepts. Where the
+    engine needs more than the cost model counted for candidates ranked above the first that
+    passes (alignment, staging of whole tensors), the search is run again with budgets lowered by
+    the difference, and the better of the passing candidates is kept."""
     error: MemoryBudgetError | None = None
-    best: Candidate | None = None
+    best: Any = None
     for _ in range(4):
         excess = {t: 0.0 for t in TIERS}
         for cand in searched(budget)[:8]:
-            if best is not None and cand.prediction.throughput <= best.prediction.throughput:
+            if best is not None and key(cand) <= key(best):
                 break  # ranked best first: nothing further down beats what passed already
-            need = plan(cand.policy)
+            need = plan(cand)
             try:
                 check(need, llm.options.budgets, llm.device, llm.options.offload_dir)
             except MemoryBudgetError as e:
@@ -104,7 +108,7 @@ def auto_policy(llm: Any, prompt_len: int, gen_len: int, num_prompts: int | None
             c.policy = c.policy.replace(num_gpu_batches=c.policy.num_gpu_batches // stages)
         return cands
 
-    return _first_that_fits(llm, budget, searched, lambda p: engine_plan(llm, p, prompt_len, gen_len)).policy
+    return _first_that_fits(llm, budget, searched, lambda c: engine_plan(llm, c.policy, prompt_len, gen_len)).policy
 
 
 def auto_training_policy(llm: Any, seq_len: int, batch: int, adapter: str) -> Candidate:
@@ -117,4 +121,21 @@ def auto_training_policy(llm: Any, seq_len: int, batch: int, adapter: str) -> Ca
                                          lora_rank=llm.adapter_rank(adapter), compress_weight=llm.compression[0],
                                          elem_bytes=llm.dtype.itemsize)
     return _first_that_fits(llm, budget, searched,
-                            lambda p: engine_plan(llm, p, seq_len, 1, training=True, need=need))
+                            lambda c: engine_plan(llm, c.policy, seq_len, 1, training=True, need=need))
+
+
+def auto_coserve_plan(llm: Any, prompt_len: int, gen_len: int, num_prompts: int, *, seq_len: int,
+                      window_rows: int, lora_rank: float, limit: float | None, max_windows: int,
+                      need: Need) -> CoServePlan:
+    """The best searched co-served plan (policy/coserve_cost.py) that the engine's accounting
+    accepts for a block of inference prompts with training windows of up to `seq_len` tokens
+    (`need`: the room of the block's adapters, the trained ones among them)."""
+    hw, budget = _budget(llm)
+    work = Workload(prompt_len, gen_len, llm.dtype.itemsize, num_prompts, llm.lora_ranks())
+    searched = lambda b: search_coserve(  # noqa: E731
+        llm.plan_spec, hw, work, b, seq_len, window_rows=window_rows, lora_rank=lora_rank, limit=limit,
+        max_windows=max_windows, compress_weight=llm.compression[0], compress_cache=llm.compression[1])
+    rank = (lambda p: (p.inference_tps, p.training_tps)) if limit is None else \
+        (lambda p: (round(p.training_tps, 9), p.inference_tps))
+    return _first_that_fits(llm, budget, searched, lambda p: engine_plan(
+        llm, p.policy, max(prompt_len, seq_len), gen_len, training=True, need=need, windows=p.windows), rank)

@@ -167,7 +167,8 @@ def cli() -> None:
 @click.option("--finetune", "finetune_jobs", multiple=True, metavar="JOB.yaml",
               help="Co-serve a LoRA finetuning job (YAML or JSON: data, output, lora_r, steps, ...; repeatable).")
 @click.option("--finetune-batches", type=click.IntRange(min=1), default=1, show_default=True,
-              help="GPU batches of every block given to the finetuning jobs' training windows.")
+              help="GPU batches of every block given to the finetuning jobs' training windows (with "
+                   "--policy auto: the most a block may take; the co-served plan picks how many).")
 @click.option("--max-inference-slowdown", "max_slowdown", default=None, metavar="PCT",
               help="With --finetune: the time training windows may add to inference (10% or 0.1); each "
                    "block takes as many of its --finetune-batches as that leaves room for.")
@@ -203,9 +204,6 @@ def run(model: str | None, input_path: str, output_path: str, max_new_tokens: in
     if finetune_jobs:
         if pipeline_parallel is not None or parallel.in_torchrun():
             raise InputError("--finetune co-serves in one process; drop --pipeline-parallel and torchrun")
-        if policy == "auto":
-            raise InputError("--finetune does not plan with --policy auto yet; give the policy flags "
-                             "(--num-gpu-batches above --finetune-batches)")
         from flexoff.finetune.jobfile import read_job
 
         specs = [read_job(path) for path in finetune_jobs]  # every file checked before the model loads
@@ -277,6 +275,9 @@ def _coserve(llm: Any, specs: list[tuple[str, Any]], batches: int, limit: float 
         carried = [len(r.job.losses) for r in runs]
         rider.finish()
     lines = [job_summary(name, r.job.losses, spec.output) for (name, spec), r in zip(specs, runs)]
+    if llm.coserve_plan is not None:
+        plan = llm.coserve_plan
+        lines.append(f"co-serving plan: {plan.policy.describe()}; {plan.describe()}")
     if bound is not None:
         lines.append(f"co-serving: training windows added {100 * bound.slowdown:.1f}% to inference's "
                      f"{bound.inference_s:.1f} s (bound {100 * limit:g}%); {sum(carried)} steps rode on "

@@ -12,7 +12,7 @@ Does not know: model math, the schedule.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Iterable, Literal
+from typing import Any, Hashable, Iterable, Literal, Sequence
 
 import torch
 
@@ -183,14 +183,43 @@ class HiddenStore(RowStore):
 
 
 class Stash(RowStore):
-    """A training window's layer inputs, per (layer, batch), placed as the policy's stash split
+    """A training window's layer inputs, per (layer, window), placed as the policy's stash split
     says, kept from the layer's forward step to its backward step; loaded back on the fetch lane
-    (the reverse sweep's next batch then does not wait for the next layer's weight copy)."""
+    (the reverse sweep's next batch then does not wait for the next layer's weight copy). Homes
+    for `windows` batches (None: every batch of a block); `begin` says which batches of a block
+    train, each then keyed by its place among them."""
 
     lane = "fetch"
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, policy: Policy, mem: Ledger,
-                 lanes: Lanes, mover: Mover, max_tokens: int):
+                 lanes: Lanes, mover: Mover, max_tokens: int, windows: int | None = None):
         split = row_split(policy.gpu_batch_size, policy.stash_gpu_percent, policy.stash_cpu_percent)
-        keys = [(j, k) for j in range(1, len(spec.layers)) for k in range(policy.num_gpu_batches)]
+        self.windows = policy.num_gpu_batches if windows is None else min(windows, policy.num_gpu_batches)
+        keys = [(j, w) for j in range(1, len(spec.layers)) for w in range(self.windows)]
         super().__init__(keys, split, max_tokens * spec.hidden_size * dtype.itemsize, dtype, mem, lanes, mover)
+        self._slot: dict[int, int] = {}
+
+    def begin(self, batches: Sequence[int]) -> None:
+        """The block's training batches, in order (by default batch k is window k)."""
+        assert len(batches) <= self.windows, (batches, self.windows)
+        self._slot = {k: w for w, k in enumerate(batches)}
+
+    def _key(self, key: tuple[int, int]) -> tuple[int, int]:
+        j, k = key
+        return j, self._slot.get(k, k)
+
+    def put(self, key: Hashable, h: torch.Tensor, tag: Any, ev: Event) -> None:  # type: ignore[override]
+        super().put(self._key(key), h, tag, ev)
+
+    def holds(self, key: Hashable, tag: Any) -> bool:  # type: ignore[override]
+        return super().holds(self._key(key), tag)
+
+    def prefetch(self, key: Hashable, tag: Any) -> None:  # type: ignore[override]
+        super().prefetch(self._key(key), tag)
+
+    def take(self, key: Hashable, tag: Any) -> tuple[torch.Tensor, list[Event]]:  # type: ignore[override]
+        return super().take(self._key(key), tag)
+
+    def clear(self) -> None:
+        super().clear()
+        self._slot = {}

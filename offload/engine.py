@@ -104,7 +104,8 @@ class Engine:
             self.kv = KVStore(spec, codec, policy, self.mem, self.lanes, self.mover, max_prompt, max_gen)
             self.hidden = HiddenStore(spec, dtype, policy, self.mem, self.lanes, self.mover, max_prompt)
             self.host_io = HostIO(self.lanes, self.mem, policy.gpu_batch_size, spec, dtype)
-            self.stash = Stash(spec, dtype, policy, self.mem, self.lanes, self.mover, max_prompt) if training else None
+            self.stash = Stash(spec, dtype, policy, self.mem, self.lanes, self.mover, max_prompt, windows) \
+                if training else None
         except BaseException:
             self.close()
             raise
@@ -211,6 +212,8 @@ class Engine:
         # keeps (weight views, the lean path's buffers) must stay usable by a later window's autograd
         with self._host_settings(), torch.no_grad() if train or self.training else torch.inference_mode():
             run = BlockRun(self, batches, gen_len, [SampleTask(sampler, k, prompt_logprobs) for k in infer] + losses)
+            if train:
+                self.stash.begin(train)
             clock = Clock(self, [run.states[k] for k in infer], on_tokens)
             lean = self.lean is not None and gen_len > 1
             if train:  # the windows' reverse sweep right after the prefill; a stop takes effect after it

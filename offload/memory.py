@@ -67,11 +67,11 @@ def plan_memory(spec: ModelSpec, layouts: list[Layout], kv_rec_bytes: int, polic
     plan.add("activations", act_bytes(spec, elem, policy, max_prompt))
     if training:
         splits = plan_weights(layouts, policy)
+        share = policy if windows is None else policy.replace(num_gpu_batches=min(windows, policy.num_gpu_batches))
         if keeps_graphs(all(s.resident for s in splits), policy):  # made by the windows of a block only
-            share = policy if windows is None else policy.replace(num_gpu_batches=min(windows, policy.num_gpu_batches))
             plan.add("kept graphs", {"gpu": graph_bytes(spec, elem, share, max_prompt)})
-        else:  # homes off the GPU for every batch of a block (which of them are windows varies)
-            plan.add("stash", stash_bytes(spec, elem, policy, max_prompt))
+        else:  # homes for the windows of a block
+            plan.add("stash", stash_bytes(spec, elem, share, max_prompt))
         plan.add("backward working", {"gpu": backward_bytes(spec, elem, policy, max_prompt)})
         if trained:
             plan.add("optimizer", {"gpu": optimizer_bytes(trained, elem)})

@@ -37,6 +37,7 @@ Toggle = Literal["off", "on", "auto"]
 class Candidate:
     policy: Policy
     prediction: Prediction
+    fractions: dict[str, float] | None = None  # the placement the prediction is for (the rounded policy's)
 
 
 @dataclass(frozen=True)
@@ -215,7 +216,7 @@ def _candidate(model: CostModel, x: dict[str, float], budget: Budget, max_latenc
         if not _fits(pred.memory, budget) or (max_latency is not None and pred.latency > max_latency * 1.001):
             continue
         if best is None or pred.latency < best.prediction.latency * (1 - 1e-9):
-            best = Candidate(policy, pred)
+            best = Candidate(policy, pred, frac)
     return best
 
 

@@ -200,3 +200,16 @@ def brute_force(q, k, v, mask, scale):
             for wt, t in zip(w, allowed):
                 out[r, h, 0] += wt / sum(w) * v[r, kh, t]
     return out
+
+
+def lp_beats_grid(model: Any, budget: Any, points: Any, latency: float) -> int:
+    """Brute force over placements: the LP's latency is no worse than any grid point inside the
+    model's bounds and the budgets. Returns how many points were checked."""
+    checked = 0
+    bounds = model.bounds()
+    for point in points:
+        inside = all(lo <= point[v] <= hi for v, (lo, hi) in bounds.items())
+        if inside and all(v <= getattr(budget, t) for t, v in model.memory(point).items()):
+            assert latency <= model.evaluate(point).latency * (1 + 1e-7), point
+            checked += 1
+    return checked

@@ -40,7 +40,10 @@ def _adapters(jobs: list[CoJob]) -> dict[str, list[torch.Tensor]]:
     return {j.name: [t.detach().clone() for ab in j.trainer.params.values() for t in ab] for j in jobs}
 
 
-def test_coserved_jobs_reach_their_standalone_adapters_and_inference_its_tokens(tiny, tiny_refs, tmp_path):
+@pytest.mark.parametrize("stash", [{}, {"stash_gpu_percent": 0, "stash_cpu_percent": 100}])
+def test_coserved_jobs_reach_their_standalone_adapters_and_inference_its_tokens(tiny, tiny_refs, tmp_path, stash):
+    """With the stash in CPU memory too: its homes are for the block's windows only, and the last
+    block (one inference batch) has its windows at other batch indices than the first."""
     path = tiny["llama"].path
     lora = {name: _init(path, tmp_path / name, targets, seed) for name, (targets, seed) in JOBS.items()}
     cfg = TrainConfig(lr=3e-2, batch_size=3, max_grad_norm=0.5)
@@ -49,7 +52,7 @@ def test_coserved_jobs_reach_their_standalone_adapters_and_inference_its_tokens(
         alone = _jobs(llm, cfg, steps)
         CoTrainer(alone).finish()
         want = _adapters(alone)
-    with LLM(str(path), policy=Policy(gpu_batch_size=2, num_gpu_batches=4), lora=lora) as llm:
+    with LLM(str(path), policy=Policy(gpu_batch_size=2, num_gpu_batches=4, **stash), lora=lora) as llm:
         jobs = _jobs(llm, cfg, steps)
         rider = CoTrainer(jobs, batches=2)
         out = llm.generate([{"prompt_ids": p} for p in PROMPTS], max_new_tokens=8, rider=rider)
@@ -77,6 +80,18 @@ def test_coserving_needs_a_spare_gpu_batch(tiny, tmp_path):
             llm.generate([{"prompt_ids": p} for p in PROMPTS], max_new_tokens=2, rider=rider)
 
 
+def _files(tmp_path):
+    """Seven training lines and six prompts of four new tokens, as JSONL files."""
+    import json
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps({"text": f"line {i}: " + "ab" * (i % 4 + 2)}) + "\n" for i in range(7)))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": "hello " * (i + 1), "max_new_tokens": 4}) + "\n"
+                               for i in range(6)))
+    return data, prompts
+
+
 def test_flexoff_run_with_finetune_jobs_answers_every_prompt_and_trains_the_standalone_adapter(tmp_path, capsys):
     """`flexoff run --finetune JOB.yaml`: every prompt answered with the tokens of a run without
     the job, the job's adapter (and metrics) as `flexoff finetune` trains it on the same data."""
@@ -86,11 +101,7 @@ def test_flexoff_run_with_finetune_jobs_answers_every_prompt_and_trains_the_stan
 
     from flexoff.cli import main
 
-    data = tmp_path / "train.jsonl"
-    data.write_text("".join(json.dumps({"text": f"line {i}: " + "ab" * (i % 4 + 2)}) + "\n" for i in range(7)))
-    prompts = tmp_path / "p.jsonl"
-    prompts.write_text("".join(json.dumps({"id": f"q{i}", "prompt": "hello " * (i + 1), "max_new_tokens": 4}) + "\n"
-                               for i in range(6)))
+    data, prompts = _files(tmp_path)
     job = tmp_path / "job.yaml"
     job.write_text(f"data: {data}\noutput: {tmp_path / 'co'}\nsteps: 5\nbatch_size: 2\nlr: 0.01\nlora_r: 4\n"
                    "save_every: 2\nseed: 3\n")
@@ -218,3 +229,37 @@ def test_a_killed_coserved_run_resumes_prompts_once_and_the_adapter(tmp_path):
     assert a.keys() == b.keys()
     for k in a:
         assert float((a[k] - b[k]).norm()) <= 1e-4 * float(a[k].norm()) + 1e-6, k
+
+
+def test_flexoff_run_finetune_under_policy_auto_plans_the_block_and_trains_the_standalone_adapter(tmp_path, capsys):
+    """`--policy auto --finetune`: the co-served plan is searched (and said), every prompt gets the
+    tokens of a plain run, and the job's adapter is the one `flexoff finetune` trains."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from flexoff.cli import main
+    from flexoff.policy.hardware import h200, save
+
+    hw = h200()
+    profile = tmp_path / "hw.json"
+    save(hw.__class__(**{**hw.__dict__, "device": "cpu", "name": "test"}), profile)
+    data, prompts = _files(tmp_path)
+    job = tmp_path / "job.yaml"
+    job.write_text(f"data: {data}\noutput: {tmp_path / 'co'}\nsteps: 4\nbatch_size: 2\nlr: 0.01\nlora_r: 4\nseed: 3\n")
+    common = ["--model", "dummy:llama-tiny", "--input", str(prompts), "--dtype", "float32", "-q"]
+    assert main(["run", *common, "--output", str(tmp_path / "co.jsonl"), "--finetune", str(job), "--policy", "auto",
+                 "--hardware", str(profile), "--finetune-batches", "2", "--max-inference-slowdown", "30%"]) == 0
+    err = capsys.readouterr().err
+    assert "co-serving plan: " in err and "windows take" in err and "training tok/s" in err, err
+    assert main(["run", *common, "--output", str(tmp_path / "plain.jsonl")]) == 0
+    assert main(["finetune", "--model", "dummy:llama-tiny", "--data", str(data), "--output", str(tmp_path / "alone"),
+                 "--steps", "4", "--batch-size", "2", "--lr", "0.01", "--lora-r", "4", "--seed", "3",
+                 "--dtype", "float32", "-q"]) == 0
+    co = {r["id"]: r for r in map(json.loads, (tmp_path / "co.jsonl").read_text().splitlines())}
+    plain = {r["id"]: r for r in map(json.loads, (tmp_path / "plain.jsonl").read_text().splitlines())}
+    assert co.keys() == plain.keys() and all(co[k]["completion"] == plain[k]["completion"] for k in co)
+    a, b = (load_file(str(tmp_path / d / "adapter_model.safetensors")) for d in ("co", "alone"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert float((a[k] - b[k]).norm()) <= 1e-4 * float(b[k].norm()) + 1e-6, k
