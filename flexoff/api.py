@@ -335,10 +335,13 @@ class LLM:
             lora_rank=sum(self.adapter_rank(a) for a in names) / max(1, len(names)),
             limit=rider.bound.limit if rider.bound is not None else None, max_windows=rider.batches,
             need=self.adapter_need(len(requests), requests, names))
+        self.coserve_plan = plan
+        if plan.share == 0:  # the bound leaves windows no block: inference alone, the jobs after it
+            rider.batches = 0
+            return self.choose_policy(requests)
         rider.batches = plan.windows
         if rider.bound is not None:
             rider.bound.limit = plan.runtime_limit
-        self.coserve_plan = plan
         return plan.policy
 
     def choose_policy_for_training(self, n: int, seq_len: int, adapter: str) -> Policy:

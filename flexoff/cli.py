@@ -277,7 +277,8 @@ def _coserve(llm: Any, specs: list[tuple[str, Any]], batches: int, limit: float 
     lines = [job_summary(name, r.job.losses, spec.output) for (name, spec), r in zip(specs, runs)]
     if llm.coserve_plan is not None:
         plan = llm.coserve_plan
-        lines.append(f"co-serving plan: {plan.policy.describe()}; {plan.describe()}")
+        lines.append(f"co-serving plan: {plan.describe()}" if plan.share == 0 else
+                     f"co-serving plan: {plan.policy.describe()}; {plan.describe()}")
     if bound is not None:
         lines.append(f"co-serving: training windows added {100 * bound.slowdown:.1f}% to inference's "
                      f"{bound.inference_s:.1f} s (bound {100 * limit:g}%); {sum(carried)} steps rode on "

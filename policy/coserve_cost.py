@@ -141,6 +141,9 @@ class CoServePlan:
         return self.share * self.block_slowdown
 
     def describe(self) -> str:
+        if self.share == 0:
+            return (f"no block has room for windows within the bound (the best plan would run "
+                    f"{100 * self.slowdown:.1f}% below inference alone): inference runs alone, the jobs after it")
         return (f"windows take {self.windows} of {self.policy.num_gpu_batches} GPU batches in "
                 f"{100 * self.share:.0f}% of blocks; planned {self.inference_tps:.1f} generated tok/s "
                 f"({100 * self.slowdown:.1f}% below inference alone) and {self.training_tps:.0f} training tok/s")

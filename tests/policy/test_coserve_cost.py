@@ -102,6 +102,8 @@ def test_the_search_keeps_inference_within_the_bound_and_trains_more_under_a_loo
         assert 0 < top.share <= 1 and top.runtime_limit == pytest.approx(top.share * top.block_slowdown)
         got[limit] = top.training_tps
     assert got[0.1] <= got[0.2] <= got[0.4] and got[0.1] < got[0.4]
+    tight = search_coserve(s, HW, work, budget, 512, window_rows=8, limit=0.05, max_windows=4)[0]
+    assert tight.share == 0 and tight.training_tps == 0 and "inference runs alone" in tight.describe()
     free = search_coserve(s, HW, work, budget, 512, window_rows=8, max_windows=2)
     assert all(p.share == 1 and p.windows <= 2 for p in free)
     assert free[0].inference_tps == max(p.inference_tps for p in free)  # without a bound: inference first
