@@ -11,13 +11,15 @@ and stash homes, kept graphs are planned for the windows only, and the optimizer
 trained adapter's copies. Every term stays linear in the twelve placement fractions, so the LP
 (search.solve_lp) places weights, cache, hidden states and stash for the block as a whole.
 
-The joint search: for each block shape, window count and discrete choice, the LP's placement;
-of the plans whose predicted inference throughput keeps at least (1 - limit) of the best
-standalone inference plan's (search.search, same budgets), the one with the most training
-tokens per second (ties: the faster inference). Without a limit, the one with the fastest
-inference that carries W windows a block.
+The joint search: from the best standalone inference plans' discrete choices (search.search,
+same budgets), the same with fewer inference batches and the same block in smaller GPU batches,
+and 1 up to a cap of window batches, the LP's placement of each; under a limit, the share of
+blocks that may take windows while the job's predicted inference throughput keeps at least
+(1 - limit) of the best standalone plan's (the other blocks run without), and the plan with the
+most training tokens per second at its share (ties: the faster inference). Without a limit,
+windows in every block and the fastest inference first.
 Does not know: the engine, the runtime bound (finetune.coserve.SlowdownBound checks the
-measured slowdown block by block; the plan only says how many window batches a block has room for).
+measured slowdown block by block; the plan gives it the bound that yields the planned share).
 """
 
 from __future__ import annotations
