@@ -23,7 +23,7 @@ from flexoff.offload.engine import adapter_bytes
 from flexoff.offload.layout import Layout
 from flexoff.offload.memory import MemoryPlan, check, plan_memory
 from flexoff.offload.placement import TIERS
-from flexoff.policy.coserve_cost import CoServePlan, search_coserve
+from flexoff.policy.coserve_cost import CoServePlan, rank, search_coserve
 from flexoff.policy.cost_model import Workload
 from flexoff.policy.policy import Policy
 from flexoff.policy.search import Budget, Candidate, default_shapes, search, search_training
@@ -135,7 +135,5 @@ def auto_coserve_plan(llm: Any, prompt_len: int, gen_len: int, num_prompts: int,
     searched = lambda b: search_coserve(  # noqa: E731
         llm.plan_spec, hw, work, b, seq_len, window_rows=window_rows, lora_rank=lora_rank, limit=limit,
         max_windows=max_windows, compress_weight=llm.compression[0], compress_cache=llm.compression[1])
-    rank = (lambda p: (p.inference_tps, p.training_tps)) if limit is None else \
-        (lambda p: (round(p.training_tps, 9), p.inference_tps))
     return _first_that_fits(llm, budget, searched, lambda p: engine_plan(
-        llm, p.policy, max(prompt_len, seq_len), gen_len, training=True, need=need, windows=p.windows), rank)
+        llm, p.policy, max(prompt_len, seq_len), gen_len, training=True, need=need, windows=p.windows), rank(limit))

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from flexoff.errors import MemoryBudgetError
 from flexoff.models.spec import ModelSpec
@@ -82,9 +82,7 @@ class CoServeCostModel(CostModel):
 
     # ---- memory --------------------------------------------------------
     def memory(self, x: Mapping[str, Any]) -> dict[str, Any]:
-        base = self.block.memory(x)
-        plain = CostModel.memory(self.homes, x)
-        extra = {t: v - plain[t] for t, v in self.homes.memory(x).items()}  # stash or kept graphs, optimizer
+        base, extra = self.block.memory(x), self.homes.training_memory(x)
         return {t: base[t] + extra[t] for t in base}
 
     # ---- evaluation ----------------------------------------------------
@@ -155,7 +153,8 @@ def _plan(model: CoServeCostModel, cand: Candidate, standalone: float, limit: fl
     """The plan of a co-served candidate: the share of blocks whose windows keep inference within
     `limit` of `standalone` (all, without a limit), and both sides' throughputs at that share."""
     with_windows = cand.prediction.latency
-    alone = model.alone.evaluate(cand.fractions or {}).latency
+    assert cand.fractions is not None
+    alone = model.alone.evaluate(cand.fractions).latency
     extra = max(0.0, with_windows - alone)
     share = 1.0
     if limit is not None and extra > 0:
@@ -222,7 +221,12 @@ def search_coserve(spec: ModelSpec, hw: Hardware, work: Workload, budget: Budget
     if not plans:
         raise MemoryBudgetError(f"no co-served block fits: a block with a training window of {seq_len} tokens "
                                 "needs more memory than the budgets give; raise them or shorten the sequences")
-    if limit is None:  # inference first
-        return sorted(plans, key=lambda p: (-p.inference_tps, -p.training_tps))
-    # most training (at the share of blocks the bound leaves it), then the faster inference
-    return sorted(plans, key=lambda p: (-round(p.training_tps, 9), -p.inference_tps))
+    return sorted(plans, key=rank(limit), reverse=True)
+
+
+def rank(limit: float | None) -> Callable[[CoServePlan], tuple[float, float]]:
+    """How plans compare, larger first: without a limit inference first; with one, the most
+    training (at the share of blocks the bound leaves it), then the faster inference."""
+    if limit is None:
+        return lambda p: (p.inference_tps, p.training_tps)
+    return lambda p: (round(p.training_tps, 9), p.inference_tps)

@@ -153,10 +153,15 @@ class TrainCostModel(CostModel):
     # ---- memory --------------------------------------------------------
     def memory(self, x: Mapping[str, Any]) -> dict[str, Any]:
         """The engine's plan for a training engine: inference's (weights, an unused KV cache of
-        S + 1 tokens, the hidden state, working memory, the adapter) plus the stash or the kept
-        graphs, the graph of one layer of one GPU batch that the reverse sweep's recompute holds,
-        and the optimizer's float32 copies of the adapter."""
-        mem = super().memory(x)
+        S + 1 tokens, the hidden state, working memory, the adapter) plus training's own."""
+        mem, extra = super().memory(x), self.training_memory(x)
+        return {t: mem[t] + extra[t] for t in mem}
+
+    def training_memory(self, x: Mapping[str, Any]) -> dict[str, Any]:
+        """What training adds to an inference engine's memory: the stash or the kept graphs, the
+        graph of one layer of one GPU batch that the reverse sweep's recompute holds, and the
+        optimizer's float32 copies of the adapter."""
+        mem: dict[str, Any] = {"gpu": 0.0, "cpu": 0.0, "disk": 0.0}
         ch, S = self.ch, self.S
         eb = self.work.elem_bytes
         mem["gpu"] += optimizer_bytes(self.lora_bytes / eb, eb)
