@@ -372,10 +372,11 @@ class LLM:
         from flexoff.quant.engine import formats
 
         e = self.engine
-        trains = not training or e is not None and e.training and (
-            e.windows is None or windows is not None and e.windows >= windows)  # room for the windows' stash
+        # room for the windows' stash, and KV cache homes for the other batches (none for windows)
+        room = e is not None and (e.windows is None or windows == e.windows)
+        trains = not training or e is not None and e.training
         if e is not None and e.policy == policy and e.max_prompt >= max_prompt and e.max_gen >= max_gen \
-                and trains and all(a >= b for a, b in zip(astuple(e.adapter_need), astuple(need))):
+                and trains and room and all(a >= b for a, b in zip(astuple(e.adapter_need), astuple(need))):
             return e
         if e is not None:
             e.close()

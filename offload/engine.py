@@ -35,7 +35,7 @@ from flexoff.offload.adapters import AdapterPool, Need
 from flexoff.offload.block import (IGNORE, BatchInput, BlockResult, BlockRun, Clock, LossTask, OnTokens,
                                    Sampler, SampleTask, TrainResult)
 from flexoff.offload.host_io import HostIO
-from flexoff.offload.kvcache import KVCodec, KVStore, PlainKV
+from flexoff.offload.kvcache import KVCodec, KVStore, PlainKV, cached_batches
 from flexoff.offload.lanes import Lanes
 from flexoff.offload.layer_ops import layer_ops
 from flexoff.offload.layout import Layout, PlainFormat, WeightFormat
@@ -101,7 +101,8 @@ class Engine:
         try:
             self.weights = weights or WeightStore(list(spec.layers), self.fmt, policy, self.tiers)
             self.weights.bind(self.lanes, self.mover)
-            self.kv = KVStore(spec, codec, policy, self.mem, self.lanes, self.mover, max_prompt, max_gen)
+            self.kv = KVStore(spec, codec, policy, self.mem, self.lanes, self.mover, max_prompt, max_gen,
+                              cached_batches(policy, windows))
             self.hidden = HiddenStore(spec, dtype, policy, self.mem, self.lanes, self.mover, max_prompt)
             self.host_io = HostIO(self.lanes, self.mem, policy.gpu_batch_size, spec, dtype)
             self.stash = Stash(spec, dtype, policy, self.mem, self.lanes, self.mover, max_prompt, windows) \
@@ -204,6 +205,9 @@ class Engine:
         if train and (self.stash is None or self.pipe is not None or len(train) > (self.windows or len(batches))):
             raise RuntimeError("internal: co-served training needs an engine made with training=True (room for "
                                "its windows), no pipeline")
+        if len(infer) > self.kv.batches:
+            raise RuntimeError(f"internal: {len(infer)} inference batches in a block of an engine with KV cache "
+                               f"homes for {self.kv.batches} (the others are training windows')")
         pipe = self.pipe
         if pipe is not None and not pipe.last:  # the last stage samples the tokens and sees them
             on_tokens = lambda i, tokens: False  # noqa: E731

@@ -117,20 +117,31 @@ class _Seg:
     track: Tracked
 
 
-def kv_bytes(spec: ModelSpec, rec_bytes: int, policy: Policy, max_tokens: int) -> dict[str, int]:
-    """Bytes each tier holds for the KV cache, GPU staging slots included."""
+def cached_batches(policy: Policy, windows: int | None) -> int:
+    """The GPU batches of a block that have KV cache homes: all but a co-serving block's training
+    windows (`windows` of them; None: any batch may train or generate), whose attention runs over
+    their own window and keeps no cache."""
+    return policy.num_gpu_batches - (windows or 0)
+
+
+def kv_bytes(spec: ModelSpec, rec_bytes: int, policy: Policy, max_tokens: int, batches: int | None = None) -> dict[str, int]:
+    """Bytes each tier holds for the KV cache of `batches` GPU batches (all of the policy's if
+    None), GPU staging slots included."""
+    batches = policy.num_gpu_batches if batches is None else batches
     split = row_split(policy.gpu_batch_size, policy.cache_gpu_percent, policy.cache_cpu_percent)
-    per_row = max_tokens * rec_bytes * len(spec.attn_layers) * policy.num_gpu_batches
+    per_row = max_tokens * rec_bytes * len(spec.attn_layers) * batches
     staged = split["disk"] + (0 if policy.cpu_cache_compute else split["cpu"])
     out = {t: split[t] * per_row for t in TIERS}
-    out["gpu"] += cache_slots(policy.cpu_cache_compute, policy.num_gpu_batches) * staged * max_tokens * rec_bytes
+    out["gpu"] += cache_slots(policy.cpu_cache_compute, batches) * staged * max_tokens * rec_bytes
     return out
 
 
 class KVStore:
     def __init__(self, spec: ModelSpec, codec: KVCodec, policy: Policy, mem: Ledger,
-                 lanes: Lanes, mover: Mover, max_prompt: int, max_gen: int):
+                 lanes: Lanes, mover: Mover, max_prompt: int, max_gen: int, batches: int | None = None):
+        """Homes for the first `batches` GPU batches of a block (all if None; cached_batches)."""
         max_tokens = max_prompt + max_gen
+        self.batches = policy.num_gpu_batches if batches is None else batches
         self.codec, self.lanes, self.mover = codec, lanes, mover
         self.max_tokens = max_tokens
         self.cpu_compute = policy.cpu_cache_compute
@@ -139,9 +150,9 @@ class KVStore:
         rec = codec.rec_bytes
         self.homes = [[{t: _Seg(mem.alloc(t, n * max_tokens * rec), Tracked())
                         for t, n in self.split.items() if n > 0}
-                       for _ in range(policy.num_gpu_batches)] for _ in spec.attn_layers]
+                       for _ in range(self.batches)] for _ in spec.attn_layers]
         staged = {t: self.split[t] for t in self.staged_tiers() if self.split[t] > 0}
-        n_slots = cache_slots(self.cpu_compute, policy.num_gpu_batches)
+        n_slots = cache_slots(self.cpu_compute, self.batches)
         self.slots = [{t: _Seg(mem.alloc("gpu", n * max_tokens * rec), Tracked()) for t, n in staged.items()}
                       for _ in range(n_slots)] if staged else []
         # attention steps whose staged rows may load ahead of the step computing: all slots but its

@@ -21,7 +21,7 @@ import torch
 from flexoff.errors import MemoryBudgetError
 from flexoff.models.spec import ModelSpec
 from flexoff.offload.activations import act_bytes, backward_bytes, graph_bytes, keeps_graphs, stash_bytes
-from flexoff.offload.kvcache import kv_bytes
+from flexoff.offload.kvcache import cached_batches, kv_bytes
 from flexoff.offload.layout import Layout
 from flexoff.offload.mover import CHUNK
 from flexoff.offload.pipeline import link_bytes
@@ -58,12 +58,12 @@ def plan_memory(spec: ModelSpec, layouts: list[Layout], kv_rec_bytes: int, polic
     """What each tier holds for a policy; with `training`, windows of up to max_prompt tokens
     also stash every layer's input for the reverse sweep, and the optimizer holds its copies of
     the `trained` LoRA parameters (`windows`: GPU batches of a block that train, if not all: a
-    co-serving block's, whose kept graphs are planned for them only); `adapters`: LoRA adapter
-    bytes per tier."""
+    co-serving block's, whose kept graphs or stash are planned for them only and the KV cache for
+    the others); `adapters`: LoRA adapter bytes per tier."""
     elem = dtype.itemsize
     plan = MemoryPlan()
     plan.add("weights", weight_bytes(plan_weights(layouts, policy), weight_slots(policy.cpu_cache_compute)))
-    plan.add("kv cache", kv_bytes(spec, kv_rec_bytes, policy, max_prompt + max_gen))
+    plan.add("kv cache", kv_bytes(spec, kv_rec_bytes, policy, max_prompt + max_gen, cached_batches(policy, windows)))
     plan.add("activations", act_bytes(spec, elem, policy, max_prompt))
     if training:
         splits = plan_weights(layouts, policy)

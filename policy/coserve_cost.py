@@ -6,9 +6,9 @@ adapter of rank r), all padded to the longer of the prompts and the windows; the
 rides on the prefill sweep (each layer's weights are staged once for both: the windows add their
 compute, their hidden states and their stash), the token steps run the inference batches only,
 and the windows' reverse sweep stages every layer's weights again (train_cost.py's "b" sweep).
-The block's memory is the engine's: every one of its K + W batches gets the cache, hidden-state
-and stash homes, kept graphs are planned for the windows only, and the optimizer holds the
-trained adapter's copies. Every term stays linear in the twelve placement fractions, so the LP
+The block's memory is the engine's: every one of its K + W batches gets hidden-state homes, the
+K inference batches KV cache homes, the W windows stash homes (or kept graphs), and the optimizer
+holds the trained adapter's copies. Every term stays linear in the twelve placement fractions, so the LP
 (search.solve_lp) places weights, cache, hidden states and stash for the block as a whole.
 
 The joint search: from the best standalone inference plans' discrete choices (search.search,
@@ -57,7 +57,7 @@ class CoServeCostModel(CostModel):
         tc = dict(compress_weight=choice.compress_weight, overlap=choice.overlap, keep_graphs=keep_graphs)
         self.win = TrainCostModel(spec, hw, seq_len, TrainChoice(self.rows, windows, **tc), lora_rank, eb)
         whole = replace(choice, num_gpu_batches=choice.num_gpu_batches + windows)
-        self.block = CostModel(spec, hw, padded, whole)  # cache and hidden-state homes of all K + W batches
+        self.block = CostModel(spec, hw, padded, whole)  # hidden-state homes of all K + W batches
         self.alone = CostModel(spec, hw, padded, choice)  # the same block without windows
         # the stash (or kept graphs) of the windows' batches, whole GPU batches as the engine plans them
         self.homes = TrainCostModel(spec, hw, padded.prompt_len, TrainChoice(gbs, windows, **tc), lora_rank, eb)
@@ -82,8 +82,11 @@ class CoServeCostModel(CostModel):
 
     # ---- memory --------------------------------------------------------
     def memory(self, x: Mapping[str, Any]) -> dict[str, Any]:
+        """The block of K + W batches with the KV cache of the K inference batches only (a window
+        keeps none), and the windows' stash or kept graphs and the optimizer."""
         base, extra = self.block.memory(x), self.homes.training_memory(x)
-        return {t: base[t] + extra[t] for t in base}
+        whole, infer = self.block.cache_memory(x), self.alone.cache_memory(x)
+        return {t: base[t] - whole[t] + infer[t] + extra[t] for t in base}
 
     # ---- evaluation ----------------------------------------------------
     def evaluate(self, x: Mapping[str, float]) -> Prediction:

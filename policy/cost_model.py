@@ -226,24 +226,31 @@ class CostModel:
         return rows / self.hw.ctog_bdw + rows / self.hw.dtoc_bdw
 
     # ---- memory --------------------------------------------------------
+    def cache_memory(self, x: Mapping[str, Any]) -> dict[str, Any]:
+        """The KV cache's bytes on each tier: every batch's homes, and the GPU slots staged rows
+        load into."""
+        ch, tokens = self.ch, self.work.prompt_len + self.work.gen_len
+        cache = ch.bls * tokens * self.kv * self.count["attn"]
+        staged = x["cd"] + (0 if ch.cpu_cache_compute else x["cc"])
+        return {"gpu": x["cg"] * cache + self.cache_slots * ch.gpu_batch_size * staged * tokens * self.kv,
+                "cpu": x["cc"] * cache, "disk": x["cd"] * cache}
+
     def memory(self, x: Mapping[str, Any]) -> dict[str, Any]:
         """Peak bytes of each tier, as the engine allocates them."""
-        ch, s, n = self.ch, self.work.prompt_len, self.work.gen_len
-        L = self.count["attn"]
-        cache = ch.bls * (s + n) * self.kv * L
+        ch, s = self.ch, self.work.prompt_len
         act = ch.bls * s * self.A
-        staged = x["cd"] + (0 if ch.cpu_cache_compute else x["cc"])
         working = self.spec.working_bytes(ch.gpu_batch_size, s, self.work.elem_bytes, self.hw.device)
         working += GPU_RESERVE if self.hw.device == "cuda" else 0
         if ch.compress_weight:  # a compressed weight is dequantized into a temporary at prefill
             working += self.spec.largest_matmul_bytes(self.work.elem_bytes)
         working += self.spec.inflight_bytes(ch.gpu_batch_size, s, self.work.elem_bytes)
+        cache = self.cache_memory(x)
         return {
-            "gpu": x["wg"] * self.W_total + self.slots * (1 - x["wg"]) * self.W_max + x["cg"] * cache
-            + self.cache_slots * ch.gpu_batch_size * staged * (s + n) * self.kv + x["hg"] * act + working
+            "gpu": x["wg"] * self.W_total + self.slots * (1 - x["wg"]) * self.W_max + cache["gpu"]
+            + x["hg"] * act + working
             + x["wg"] * self.lora_bytes + self.slots * (1 - x["wg"]) * max(self.lora_layer.values()),
-            "cpu": x["wc"] * self.W_total + x["cc"] * cache + x["hc"] * act + self.lora_host,
-            "disk": x["wd"] * self.W_total + x["cd"] * cache + x["hd"] * act,
+            "cpu": x["wc"] * self.W_total + cache["cpu"] + x["hc"] * act + self.lora_host,
+            "disk": x["wd"] * self.W_total + cache["disk"] + x["hd"] * act,
         }
 
     # ---- evaluation ----------------------------------------------------

@@ -43,7 +43,9 @@ def _adapters(jobs: list[CoJob]) -> dict[str, list[torch.Tensor]]:
 @pytest.mark.parametrize("stash", [{}, {"stash_gpu_percent": 0, "stash_cpu_percent": 100}])
 def test_coserved_jobs_reach_their_standalone_adapters_and_inference_its_tokens(tiny, tiny_refs, tmp_path, stash):
     """With the stash in CPU memory too: its homes are for the block's windows only, and the last
-    block (one inference batch) has its windows at other batch indices than the first."""
+    block (one inference batch) has its windows at other batch indices than the first. The KV
+    cache has homes for the inference batches only; inference under the same policy afterwards
+    (every batch generating) gets an engine with homes for all."""
     path = tiny["llama"].path
     lora = {name: _init(path, tmp_path / name, targets, seed) for name, (targets, seed) in JOBS.items()}
     cfg = TrainConfig(lr=3e-2, batch_size=3, max_grad_norm=0.5)
@@ -57,9 +59,12 @@ def test_coserved_jobs_reach_their_standalone_adapters_and_inference_its_tokens(
         rider = CoTrainer(jobs, batches=2)
         out = llm.generate([{"prompt_ids": p} for p in PROMPTS], max_new_tokens=8, rider=rider)
         carried = {j.name: len(j.losses) for j in jobs}  # steps taken on inference blocks
+        assert len(llm.engine.kv.homes[0]) == 2
+        again = llm.generate([{"prompt_ids": p} for p in PROMPTS * 2], max_new_tokens=8)
         rider.finish()
         got = _adapters(jobs)
     assert [c.token_ids for c in out.completions] == [r for r, _ in tiny_refs["llama"]]
+    assert [c.token_ids for c in again.completions] == [r for r, _ in tiny_refs["llama"]] * 2
     assert all(n >= 1 for n in carried.values()), carried
     for a, b in zip(alone, jobs):
         assert len(b.losses) == steps

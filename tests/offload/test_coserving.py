@@ -39,7 +39,8 @@ def test_a_coserved_block_gives_inference_its_tokens_and_training_its_gradients(
             train = train_batches(gbs, TRAIN_ROWS[:gbs * room] + [[8] * S])[:room]  # padded to S too
             want_loss, want_grads = hf_input_grads(tiny[name].hf, name, train)
             e = Engine(m.family, m.spec, policy, device=torch.device("cpu"), dtype=torch.float64,
-                       max_prompt=S, max_gen=GEN, training=True)
+                       max_prompt=S, max_gen=GEN, training=True, windows=room)
+            assert len(e.kv.homes[0]) == len(infer)  # a window keeps no KV cache
             steps: list[list[torch.Tensor]] = []
 
             def on_tokens(i: int, toks: list[torch.Tensor]) -> bool:
