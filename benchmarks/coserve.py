@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import cuda_missing, environment, table, write_jsonl  # noqa: E402
 
+PLAIN_STREAM = torch.cuda.Stream  # prioritized() swaps torch.cuda.Stream for a while
 COLUMNS = ["run", "policy", "seconds", "gen_tok_s", "train_tok_s", "inference_kept", "finetuning_kept",
            "same_tokens_as_alone"]
 
@@ -213,9 +214,8 @@ def concurrent(b: Bench) -> None:
     """GPU-resident: inference alone, finetuning alone, and both at once, the training steps in a
     thread of their own on a second LLM (the same random weights, its own engine and CUDA streams)
     while the first generates: how much of each the GPU keeps when they share it by streams
-    instead of by blocks."""
-    import threading
-
+    instead of by blocks; then again with the inference engine's streams (and the stream its
+    graphs replay on) at the highest CUDA priority."""
     from flexoff import LLM, Policy
 
     a = b.args
@@ -228,28 +228,62 @@ def concurrent(b: Bench) -> None:
         trainer = b.trainer("train")
         train_alone = b.train_alone(trainer, a.train_steps)
         b.llm = main_llm
-        stop, steps = threading.Event(), []
-        per = trainer.cfg.per_step
-
-        def train() -> None:
-            side = torch.cuda.Stream() if a.device == "cuda" else None
-            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                while not stop.is_set():
-                    k = len(steps) % (len(b.examples) // per)
-                    trainer.step(b.examples[k * per:(k + 1) * per])
-                    steps.append(time.perf_counter())
-
-        worker = threading.Thread(target=train, daemon=True)
-        t0 = time.perf_counter()
-        worker.start()
-        rec = b.generate("both at once", policy=policy)
-        t1 = time.perf_counter()
-        stop.set()
-        worker.join()
-        done = sum(t0 <= s <= t1 for s in steps)
-        rec["train_tok_s"] = done * per * a.seq / (t1 - t0)
-        rec["train_steps"] = done
+        for high in (False, True) if a.device == "cuda" else (False,):
+            if high:  # a new inference engine whose streams are made at the highest priority
+                b.llm.drop_engine()
+            with prioritized(high):
+                b.llm.generate(b.prompts[:gbs], max_new_tokens=2, policy=policy)
+                both_at_once(b, trainer, policy, "both at once" + (", inference streams high priority" if high else ""))
     b.ratios(gen_alone, train_alone)
+
+
+@contextlib.contextmanager
+def prioritized(high: bool) -> Any:
+    """While inside (if `high`): every CUDA stream made is at the highest priority, and work is
+    queued on such a stream."""
+    if not high:
+        yield
+        return
+    plain = PLAIN_STREAM
+    top = -1  # lower numbers are higher priorities; 0 is the default and the lowest
+
+    class High(plain):  # type: ignore[misc, valid-type]
+        def __new__(cls, device: Any = None, priority: int = 0, **kw: Any) -> Any:
+            return plain.__new__(cls, device, priority=top, **kw)
+
+    torch.cuda.Stream = High  # type: ignore[misc]
+    try:
+        with torch.cuda.stream(High()):
+            yield
+    finally:
+        torch.cuda.Stream = plain  # type: ignore[misc]
+
+
+def both_at_once(b: Bench, trainer: Any, policy: Any, label: str) -> None:
+    """Training steps in a thread (on a stream of their own) for as long as the prompts generate."""
+    import threading
+
+    stop, steps = threading.Event(), []
+    per, a = trainer.cfg.per_step, b.args
+
+    def train() -> None:
+        side = PLAIN_STREAM(priority=0) if a.device == "cuda" else None  # the lowest priority
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            while not stop.is_set():
+                k = len(steps) % (len(b.examples) // per)
+                trainer.step(b.examples[k * per:(k + 1) * per])
+                steps.append(time.perf_counter())
+
+    worker = threading.Thread(target=train, daemon=True)
+    t0 = time.perf_counter()
+    worker.start()
+    rec = b.generate(label, policy=policy)
+    t1 = time.perf_counter()
+    stop.set()
+    worker.join()
+    done = sum(t0 <= s <= t1 for s in steps)
+    rec["train_tok_s"] = done * per * a.seq / (t1 - t0)
+    rec["train_steps"] = done
 
 
 def main(argv: list[str] | None = None) -> int:
