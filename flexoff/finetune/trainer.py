@@ -104,7 +104,12 @@ class LoraTrainer:
                                      fused=True)  # one kernel for all the adapter's tensors
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: lr_factor(cfg, s))
         self.steps_done = 0
-        self._grads: list[torch.Tensor] | None = None  # the step being gathered: A, B of each key in turn
+        # the step being gathered: A, B of each key in turn, views of one float32 buffer (zeroed
+        # with one kernel per step, added into with one foreach call per block)
+        self._flat = torch.empty(sum(t.numel() for t in flat), dtype=torch.float32, device=dev)
+        self._views = list(torch.split(self._flat, [t.numel() for t in flat]))
+        self._views = [v.view_as(t) for v, t in zip(self._views, flat)]
+        self._grads: list[torch.Tensor] | None = None
         self._loss = 0.0
         self.last_lr = cfg.lr
 
@@ -135,15 +140,17 @@ class LoraTrainer:
                    weight: float) -> None:
         """Add a block's gradients (the engine's, for this adapter) and loss, times `weight`, to
         the step being gathered."""
-        got = []
-        for key in self.params:
-            per = lora_grads.get(key, {}).get(self.name)  # d loss / d (A, B transposed)
-            got += [per[0].float(), per[1].t().float().contiguous()] if per is not None else \
-                [torch.zeros_like(t) for t in self.params[key]]
         if self._grads is None:
-            self._grads = torch._foreach_mul(got, weight)
-        else:
-            torch._foreach_add_(self._grads, got, alpha=weight)
+            self._flat.zero_()
+            self._grads = self._views
+        into, got = [], []
+        for n, key in enumerate(self.params):
+            per = lora_grads.get(key, {}).get(self.name)  # d loss / d (A, B transposed)
+            if per is not None:
+                into += self._grads[2 * n:2 * n + 2]
+                got += [per[0], per[1].t()]  # float32 sums of the compute dtype's gradients
+        if got:
+            torch._foreach_add_(into, got, alpha=weight)
         self._loss += loss * weight
 
     def apply(self) -> float:
