@@ -137,8 +137,8 @@ def peft_offload_map(pm: Any, device_map: dict[str, Any]) -> dict[str, Any]:
     that outlive a forward) on the GPU and the frozen ones offloaded as Accelerate placed them."""
     from baseline import module_device
 
-    if "cpu" not in device_map.values():
-        return {PEFT_PREFIX + k: v for k, v in device_map.items()}
+    if "cpu" not in device_map.values():  # the whole model ("") is the wrapper's base model, without the dot
+        return {(PEFT_PREFIX + k if k else PEFT_PREFIX[:-1]): v for k, v in device_map.items()}
     out: dict[str, Any] = {}
     for name, mod in pm.named_modules():
         holds = next(mod.parameters(recurse=False), None) is not None or next(mod.buffers(recurse=False), None) is not None
@@ -230,8 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             rows.append({"flexoff": flexoff_run, "peft": peft_run}[system](args))
         except Exception as e:  # a baseline that cannot run this is a result too
-            print(f"{system} failed: {type(e).__name__}: {e}", file=sys.stderr)
-            rows.append({"system": system, "error": f"{type(e).__name__}: {e}"})
+            print(f"{system} failed: {type(e).__name__}: {str(e)[:400]}", file=sys.stderr)
+            rows.append({"system": system, "error": f"{type(e).__name__}: {str(e)[:400]}"})
         gc.collect()
         torch.cuda.empty_cache()
     peft = next((r for r in rows if r["system"] == "peft" and "error" not in r), None)
