@@ -124,7 +124,8 @@ def cached_batches(policy: Policy, windows: int | None) -> int:
     return policy.num_gpu_batches - (windows or 0)
 
 
-def kv_bytes(spec: ModelSpec, rec_bytes: int, policy: Policy, max_tokens: int, batches: int | None = None) -> dict[str, int]:
+def kv_bytes(spec: ModelSpec, rec_bytes: int, policy: Policy, max_tokens: int,
+             batches: int | None = None) -> dict[str, int]:
     """Bytes each tier holds for the KV cache of `batches` GPU batches (all of the policy's if
     None), GPU staging slots included."""
     batches = policy.num_gpu_batches if batches is None else batches

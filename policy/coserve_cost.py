@@ -7,9 +7,10 @@ rides on the prefill sweep (each layer's weights are staged once for both: the w
 compute, their hidden states and their stash), the token steps run the inference batches only,
 and the windows' reverse sweep stages every layer's weights again (train_cost.py's "b" sweep).
 The block's memory is the engine's: every one of its K + W batches gets hidden-state homes, the
-K inference batches KV cache homes, the W windows stash homes (or kept graphs), and the optimizer
-holds the trained adapter's copies. Every term stays linear in the twelve placement fractions, so the LP
-(search.solve_lp) places weights, cache, hidden states and stash for the block as a whole.
+K inference batches KV cache homes, the W windows stash homes (or kept graphs), and the
+optimizer holds the trained adapter's copies. Every term stays linear in the twelve placement
+fractions, so the LP (search.solve_lp) places weights, cache, hidden states and stash for the
+block as a whole.
 
 The joint search: from the best standalone inference plans' discrete choices (search.search,
 same budgets), the same with fewer inference batches and the same block in smaller GPU batches,

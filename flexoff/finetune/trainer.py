@@ -107,8 +107,7 @@ class LoraTrainer:
         # the step being gathered: A, B of each key in turn, views of one float32 buffer (zeroed
         # with one kernel per step, added into with one foreach call per block)
         self._flat = torch.empty(sum(t.numel() for t in flat), dtype=torch.float32, device=dev)
-        self._views = list(torch.split(self._flat, [t.numel() for t in flat]))
-        self._views = [v.view_as(t) for v, t in zip(self._views, flat)]
+        self._views = [v.view_as(t) for v, t in zip(torch.split(self._flat, [t.numel() for t in flat]), flat)]
         self._grads: list[torch.Tensor] | None = None
         self._loss = 0.0
         self.last_lr = cfg.lr
