@@ -107,8 +107,8 @@ class LoraTrainer:
         # the step being gathered: A, B of each key in turn, views of one float32 buffer (zeroed
         # with one kernel per step, added into with one foreach call per block)
         self._flat = torch.empty(sum(t.numel() for t in flat), dtype=torch.float32, device=dev)
-        self._views = [v.view_as(t) for v, t in zip(torch.split(self._flat, [t.numel() for t in flat]), flat)]
-        self._grads: list[torch.Tensor] | None = None
+        self._grads = [v.view_as(t) for v, t in zip(torch.split(self._flat, [t.numel() for t in flat]), flat)]
+        self._gathering = False  # a step has gradients in the buffer
         self._loss = 0.0
         self.last_lr = cfg.lr
 
@@ -139,9 +139,9 @@ class LoraTrainer:
                    weight: float) -> None:
         """Add a block's gradients (the engine's, for this adapter) and loss, times `weight`, to
         the step being gathered."""
-        if self._grads is None:
+        if not self._gathering:
             self._flat.zero_()
-            self._grads = self._views
+            self._gathering = True
         into, got = [], []
         for n, key in enumerate(self.params):
             per = lora_grads.get(key, {}).get(self.name)  # d loss / d (A, B transposed)
@@ -154,7 +154,7 @@ class LoraTrainer:
 
     def apply(self) -> float:
         """The optimizer step on the gathered gradients; the step's loss."""
-        assert self._grads is not None, "no gradients gathered for this step"
+        assert self._gathering, "no gradients gathered for this step"
         for n, (a, b) in enumerate(self.params.values()):
             a.grad, b.grad = self._grads[2 * n], self._grads[2 * n + 1]
         if self.cfg.max_grad_norm is not None:
@@ -165,7 +165,7 @@ class LoraTrainer:
         self.opt.zero_grad(set_to_none=True)
         self.llm.adapter_pool().refresh(self.name)  # the device copies follow the master weights
         self.steps_done += 1
-        loss, self._grads, self._loss = self._loss, None, 0.0
+        loss, self._gathering, self._loss = self._loss, False, 0.0
         return loss
 
     def eval_loss(self, examples: Sequence[Example]) -> float:

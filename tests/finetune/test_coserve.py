@@ -97,12 +97,38 @@ def _files(tmp_path):
     return data, prompts
 
 
+def _answers(path) -> dict:
+    """A flexoff run output's records by prompt id."""
+    import json
+
+    return {r["id"]: r for r in map(json.loads, path.read_text().splitlines())}
+
+
+def _standalone_adapter(tmp_path, data, steps: int) -> dict:
+    """The adapter `flexoff finetune` trains with the co-served jobs' settings, in tmp_path/alone."""
+    from safetensors.torch import load_file
+
+    from flexoff.cli import main
+
+    assert main(["finetune", "--model", "dummy:llama-tiny", "--data", str(data), "--output", str(tmp_path / "alone"),
+                 "--steps", str(steps), "--batch-size", "2", "--lr", "0.01", "--lora-r", "4", "--seed", "3",
+                 "--dtype", "float32", "-q"]) == 0
+    return load_file(str(tmp_path / "alone" / "adapter_model.safetensors"))
+
+
+def _assert_same_adapter(folder, want: dict) -> None:
+    from safetensors.torch import load_file
+
+    got = load_file(str(folder / "adapter_model.safetensors"))
+    assert got.keys() == want.keys()
+    for k in got:
+        assert float((got[k] - want[k]).norm()) <= 1e-4 * float(want[k].norm()) + 1e-6, k
+
+
 def test_flexoff_run_with_finetune_jobs_answers_every_prompt_and_trains_the_standalone_adapter(tmp_path, capsys):
     """`flexoff run --finetune JOB.yaml`: every prompt answered with the tokens of a run without
     the job, the job's adapter (and metrics) as `flexoff finetune` trains it on the same data."""
     import json
-
-    from safetensors.torch import load_file
 
     from flexoff.cli import main
 
@@ -116,17 +142,11 @@ def test_flexoff_run_with_finetune_jobs_answers_every_prompt_and_trains_the_stan
     err = capsys.readouterr().err
     assert "finetuning job: 5 steps" in err
     assert main(["run", *common, "--output", str(tmp_path / "plain.jsonl")]) == 0
-    assert main(["finetune", "--model", "dummy:llama-tiny", "--data", str(data), "--output", str(tmp_path / "alone"),
-                 "--steps", "5", "--batch-size", "2", "--lr", "0.01", "--lora-r", "4", "--seed", "3",
-                 "--dtype", "float32", "-q"]) == 0
-    co = {r["id"]: r for r in map(json.loads, (tmp_path / "co.jsonl").read_text().splitlines())}
-    plain = {r["id"]: r for r in map(json.loads, (tmp_path / "plain.jsonl").read_text().splitlines())}
+    alone = _standalone_adapter(tmp_path, data, 5)
+    co, plain = _answers(tmp_path / "co.jsonl"), _answers(tmp_path / "plain.jsonl")
     assert co.keys() == plain.keys() == {f"q{i}" for i in range(6)}
     assert all(co[k]["completion"] == plain[k]["completion"] for k in co)
-    a, b = (load_file(str(tmp_path / d / "adapter_model.safetensors")) for d in ("co", "alone"))
-    assert a.keys() == b.keys()
-    for k in a:
-        assert float((a[k] - b[k]).norm()) <= 1e-4 * float(b[k].norm()) + 1e-6, k
+    _assert_same_adapter(tmp_path / "co", alone)
     steps = [json.loads(line)["step"] for line in (tmp_path / "co" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5]
     # under a slowdown bound the blocks carry what it leaves room for; the answers and the adapter
@@ -136,11 +156,9 @@ def test_flexoff_run_with_finetune_jobs_answers_every_prompt_and_trains_the_stan
                  "--max-inference-slowdown", "50%"]) == 0
     err = capsys.readouterr().err
     assert "co-serving: training windows added" in err and "(bound 50%)" in err, err
-    bounded = {r["id"]: r for r in map(json.loads, (tmp_path / "bounded.jsonl").read_text().splitlines())}
+    bounded = _answers(tmp_path / "bounded.jsonl")
     assert all(bounded[k]["completion"] == plain[k]["completion"] for k in plain)
-    c = load_file(str(tmp_path / "bounded" / "adapter_model.safetensors"))
-    for k in c:
-        assert float((c[k] - b[k]).norm()) <= 1e-4 * float(b[k].norm()) + 1e-6, k
+    _assert_same_adapter(tmp_path / "bounded", alone)
     for bad in (["--max-inference-slowdown", "fast", "--finetune", str(job)], ["--max-inference-slowdown", "0%",
                 "--finetune", str(job)], ["--max-inference-slowdown", "10%"]):
         assert main(["run", *common, "--output", str(tmp_path / "x.jsonl"), *bad]) == 2
@@ -239,10 +257,6 @@ def test_a_killed_coserved_run_resumes_prompts_once_and_the_adapter(tmp_path):
 def test_flexoff_run_finetune_under_policy_auto_plans_the_block_and_trains_the_standalone_adapter(tmp_path, capsys):
     """`--policy auto --finetune`: the co-served plan is searched (and said), every prompt gets the
     tokens of a plain run, and the job's adapter is the one `flexoff finetune` trains."""
-    import json
-
-    from safetensors.torch import load_file
-
     from flexoff.cli import main
     from flexoff.policy.hardware import h200, save
 
@@ -258,13 +272,7 @@ def test_flexoff_run_finetune_under_policy_auto_plans_the_block_and_trains_the_s
     err = capsys.readouterr().err
     assert "co-serving plan: " in err and "windows take" in err and "training tok/s" in err, err
     assert main(["run", *common, "--output", str(tmp_path / "plain.jsonl")]) == 0
-    assert main(["finetune", "--model", "dummy:llama-tiny", "--data", str(data), "--output", str(tmp_path / "alone"),
-                 "--steps", "4", "--batch-size", "2", "--lr", "0.01", "--lora-r", "4", "--seed", "3",
-                 "--dtype", "float32", "-q"]) == 0
-    co = {r["id"]: r for r in map(json.loads, (tmp_path / "co.jsonl").read_text().splitlines())}
-    plain = {r["id"]: r for r in map(json.loads, (tmp_path / "plain.jsonl").read_text().splitlines())}
+    alone = _standalone_adapter(tmp_path, data, 4)
+    co, plain = _answers(tmp_path / "co.jsonl"), _answers(tmp_path / "plain.jsonl")
     assert co.keys() == plain.keys() and all(co[k]["completion"] == plain[k]["completion"] for k in co)
-    a, b = (load_file(str(tmp_path / d / "adapter_model.safetensors")) for d in ("co", "alone"))
-    assert a.keys() == b.keys()
-    for k in a:
-        assert float((a[k] - b[k]).norm()) <= 1e-4 * float(b[k].norm()) + 1e-6, k
+    _assert_same_adapter(tmp_path / "co", alone)
