@@ -11,9 +11,9 @@ Knows: three parts, each comparison measured in one run:
 - `peft`: Hugging Face PEFT's `generate(..., adapter_names=...)` and flexoff on the same dummy
   weights, batch 32, with no adapter, one adapter for every row, and a distinct rank-8 adapter
   per row on all linear layers: each system's ratios to its own no-LoRA run and the speedup.
-- `kernel`: the shrink/expand kernels at decode shapes (one token per row, every row its own
-  adapter), bytes they must read (the rows' adapters, x, y twice) over their time, against
-  the device's copy bandwidth.
+- `kernel`: the shrink/expand kernels at decode shapes (one token per row) and prefill shapes
+  (rows of prompt-len tokens), every row its own adapter, in each tiling of CONFIGS: bytes they
+  must move (the rows' adapters, x, y twice) over their time, against the copy bandwidth.
 Throughput is generated tokens over the whole run (prefill included); the decode step is the
 time for gen_len tokens less the time for one, over gen_len - 1. Prints a table, writes JSON.
 """
@@ -37,11 +37,20 @@ from common import cuda_missing, environment, table, write_jsonl  # noqa: E402
 from flexoff.profiler import random_adapter  # noqa: E402
 
 RANKS = (8, 16, 32, 64)
-# decode tile configurations the kernel part compares (kernels.lora.DECODE), two-pass and one-pass
-CONFIGS = {False: [{"split_bk": 64, "split_bn": 128, "warps": 4}, {"split_bk": 128, "split_bn": 256, "warps": 4},
-                   {"split_bk": 128, "split_bn": 256, "warps": 8}, {"split_bk": 64, "split_bn": 512, "warps": 8}],
-           True: [{"fused_bk": 64, "fused_bn": 128, "warps": 4}, {"fused_bk": 256, "fused_bn": 256, "warps": 8},
-                  {"fused_bk": 128, "fused_bn": 512, "warps": 8}]}
+# tilings the kernel part compares (kernels.lora.DECODE for rows of one token, PREFILL for tiles)
+CONFIGS = {"decode": [{"split_k": 512, "bk": 128, "rc": 16, "bn": 256, "warps": 4},
+                      {"split_k": 256, "bk": 128, "rc": 16, "bn": 256, "warps": 4},
+                      {"split_k": 1024, "bk": 256, "rc": 16, "bn": 256, "warps": 4},
+                      {"split_k": 512, "bk": 256, "rc": 8, "bn": 256, "warps": 4},
+                      {"split_k": 512, "bk": 64, "rc": 32, "bn": 256, "warps": 4},
+                      {"split_k": 512, "bk": 128, "rc": 16, "bn": 128, "warps": 4},
+                      {"split_k": 512, "bk": 128, "rc": 16, "bn": 512, "warps": 8},
+                      {"split_k": 512, "bk": 256, "rc": 16, "bn": 256, "warps": 8},
+                      {"split_k": 4096, "bk": 256, "rc": 16, "bn": 256, "warps": 8}],
+           "prefill": [{"bm": 64, "bk": 64, "bn": 128, "warps": 4}, {"bm": 128, "bk": 64, "bn": 128, "warps": 8},
+                       {"bm": 64, "bk": 128, "bn": 256, "warps": 8}, {"bm": 128, "bk": 32, "bn": 256, "warps": 8},
+                       {"bm": 32, "bk": 64, "bn": 128, "warps": 4}]}
+SHAPES = ((4096, 4096), (4096, 11008), (11008, 4096))  # LLaMA-7B's attention, up and down projections
 
 
 def timed(llm: Any, prompts: list[dict], gen_len: int, adapters: Sequence[str | None] | None,
@@ -194,47 +203,58 @@ def peft_part(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def kernel_part(args: argparse.Namespace, bw: float) -> list[dict[str, Any]]:
-    """The kernels at decode shapes: every row its own adapter, one rank; GPU time per call from
-    CUDA graphs of 10 calls (no launch overhead, as in the decode path's graphs)."""
+    """The kernels at decode shapes (one token per row) and prefill shapes (--prefill-rows rows
+    of --prompt-len tokens), every row its own adapter, of one rank or of ranks drawn from
+    RANKS; each tiling of CONFIGS. GPU time per call from CUDA graphs (no launch overhead, as in
+    the decode path's graphs); bytes: the rows' adapters, x, and y read and written."""
     from flexoff.kernels import lora as L
     from flexoff.kernels.lora import LoraPack, lora_delta_triton
 
-    out, saved = [], dict(L.DECODE)
-    for n in (int(r) for r in str(args.rows).split(",")):
-        for fin, fout in ((4096, 4096), (4096, 11008)):
-            for r in (16, 64):
-                buf = torch.randn(n * r * (fin + fout), dtype=torch.float16, device="cuda") * 0.01
-                a_off = torch.arange(n, device="cuda", dtype=torch.int64) * r * (fin + fout)
-                b_off = a_off + r * fin
-                pack = LoraPack(buf, a_off, b_off, torch.full((n,), r, dtype=torch.int32, device="cuda"),
-                                torch.ones(n, device="cuda"), fin, fout, 64, (r,) * n, tuple(a_off.tolist()),
-                                tuple(b_off.tolist()), (1.0,) * n)  # a pool whose largest rank is 64
-                x = torch.randn(n, 1, fin, dtype=torch.float16, device="cuda")
-                y = torch.zeros(n, 1, fout, dtype=torch.float16, device="cuda")
-                ids = torch.arange(n, dtype=torch.int32, device="cuda")
-                nbytes = buf.numel() * 2 + x.numel() * 2 + 2 * y.numel() * 2
-                for fused, cfg in [(f, c) for f in (False, True) for c in CONFIGS[f]]:
-                    L.DECODE.update(cfg)
-                    for _ in range(3):
-                        lora_delta_triton(x, y, ids, pack, fused)
-                    torch.cuda.synchronize()
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g):
-                        for _ in range(10):
-                            lora_delta_triton(x, y, ids, pack, fused)
-                    g.replay()
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    for _ in range(10):
-                        g.replay()
-                    torch.cuda.synchronize()
-                    sec = (time.perf_counter() - t0) / 100
-                    tiles = ",".join(f"{k}={v}" for k, v in cfg.items())
-                    out.append({"system": "kernel", "variant": f"{fin}x{fout} r{r} {'fused' if fused else 'split'} {tiles}",
-                                "batch": n, "us": 1e6 * sec, "GBps": nbytes / sec / 1e9,
-                                "of_copy_bandwidth": nbytes / sec / bw})
-                    del g
-    L.DECODE.update(saved)
+    g = torch.Generator().manual_seed(args.seed)
+    out, saved = [], (dict(L.DECODE), dict(L.PREFILL))
+    cases = [(int(n), 1, shape, rk) for n in str(args.rows).split(",") for shape in SHAPES
+             for rk in ("16", "64", "mixed")]
+    cases += [(args.prefill_rows, args.prompt_len, shape, "mixed") for shape in SHAPES]
+    for n, s, (fin, fout), rk in cases:
+        ranks = [int(rk)] * n if rk != "mixed" else [RANKS[i] for i in torch.randint(0, len(RANKS), (n,), generator=g)]
+        sizes = [r * (fin + fout) for r in ranks]
+        a_host = [sum(sizes[:i]) for i in range(n)]
+        buf = torch.randn(sum(sizes), dtype=torch.float16, device="cuda") * 0.01
+        a_off = torch.tensor(a_host, device="cuda")
+        b_off = a_off + torch.tensor(ranks, device="cuda") * fin
+        pack = LoraPack(buf, a_off, b_off, torch.tensor(ranks, dtype=torch.int32, device="cuda"),
+                        torch.ones(n, device="cuda"), fin, fout, 64, tuple(ranks), tuple(a_host),
+                        tuple(b_off.tolist()), (1.0,) * n)  # a pool whose largest rank is 64
+        x = torch.randn(n, s, fin, dtype=torch.float16, device="cuda")
+        y = torch.zeros(n, s, fout, dtype=torch.float16, device="cuda")
+        ids = torch.arange(n, dtype=torch.int32, device="cuda")
+        nbytes = buf.numel() * 2 + x.numel() * 2 + 2 * y.numel() * 2
+        kind = "decode" if s == 1 else "prefill"
+        calls = 10 if s == 1 else 3
+        for cfg in CONFIGS[kind]:
+            (L.DECODE if s == 1 else L.PREFILL).update(cfg)
+            for _ in range(3):
+                lora_delta_triton(x, y, ids, pack)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(calls):
+                    lora_delta_triton(x, y, ids, pack)
+            graph.replay()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(10):
+                graph.replay()
+            torch.cuda.synchronize()
+            sec = (time.perf_counter() - t0) / (10 * calls)
+            tiles = ",".join(f"{k}={v}" for k, v in cfg.items())
+            out.append({"system": "kernel", "variant": f"{kind} {fin}x{fout} r{rk} {tiles}", "batch": n,
+                        "tokens_per_row": s, "us": 1e6 * sec, "GBps": nbytes / sec / 1e9,
+                        "of_copy_bandwidth": nbytes / sec / bw})
+            del graph
+        del buf, x, y
+    L.DECODE.update(saved[0])
+    L.PREFILL.update(saved[1])
     return out
 
 
@@ -257,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-mem", default=None)
     ap.add_argument("--peft-model", default="dummy:llama-7b")
     ap.add_argument("--peft-batch", type=int, default=32)
-    ap.add_argument("--rows", default="8,128", help="kernel part: rows (a list), each with its own adapter")
+    ap.add_argument("--rows", default="8,128", help="kernel part: decode rows (a list), each with its own adapter")
+    ap.add_argument("--prefill-rows", type=int, default=128, help="kernel part: prefill rows of --prompt-len tokens")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out/lora.jsonl"))
     args = ap.parse_args(argv)

@@ -6,13 +6,13 @@ Knows: one adapted matmul's LoRA across a block's adapters as a `LoraPack`: ever
 offsets, with a rank and a scale per adapter (rank 0 where an adapter leaves this matmul
 alone), so no adapter is padded to the largest rank and adapters need not sit next to each
 other (the pool pages them per adapter); adding scale * (x @ A_a.T) @ B_a.T to the rows of y
-whose adapter is a (index -1: none). Where rows have many tokens (prefill) and make enough tiles to fill the GPU, one program per
-row and tile of its tokens shrinks onto the adapter's rank and expands onto every output,
-reading its adapter once per tile; decode steps run in two passes, as Punica and S-LoRA do: shrink (split over the input so a
-few rows still fill the GPU, partial sums kept apart so the result does not depend on
-timing) and expand (the rank onto the outputs, added to y in place). Decode rows (one token) reduce
-with plain sums; rows of many tokens (prefill) multiply tiles with tl.dot, reading each
-adapter tile once per tile of tokens.
+whose adapter is a (index -1: none). Two passes, as Punica and S-LoRA run them: shrink onto the
+adapter's rank (partial results kept apart and summed in a fixed order, so results do not depend
+on timing) and expand onto the outputs, added to y in place. Rows of one token (decode) go token
+by token, memory-bound: the shrink split over the inputs so a few rows still fill the GPU, both
+passes stepping through an adapter's own rank a few lanes at a time, so a rank-8 adapter costs
+what its bytes cost and not the pool's largest rank. Rows of many tokens (prefill) go in tiles
+of tokens through tl.dot: the shrink reads each input once, the expand each output once.
 Does not know: where adapters come from, which rows have which adapter.
 """
 
@@ -86,98 +86,115 @@ def lora_delta(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: LoraPack,
     return lora_delta_ref(x, y, ids, p, host_ids)
 
 
-SPLIT_K = 512  # input features one shrink program reduces
+# Tilings (benchmarks/lora.py --parts kernel compares others on the GPU). Decode rows (fewer
+# than 16 tokens) go token by token: `split_k` inputs per shrink program, `bk` of them per load,
+# `rc` rank lanes per step of the adapter's own rank, `bn` outputs per expand program. Prefill
+# rows go in tiles of `bm` tokens through tl.dot: `bk` inputs per shrink step, `bn` outputs per
+# expand program.
+DECODE = {"split_k": 512, "bk": 128, "rc": 16, "bn": 256, "warps": 4}
+PREFILL = {"bm": 64, "bk": 64, "bn": 128, "warps": 4}
 
 
 if HAVE_TRITON:
     @triton.jit
-    def _row(IDS, RANK, SCALE, per_row, row, mb, R: tl.constexpr, BM: tl.constexpr):
-        """A program's row: its adapter (clamped index), rank and scale, its tile of tokens and
-        which are live (rows on the base model have none), and the rank lanes in use."""
+    def _adapter(IDS, RANK, SCALE, OFF, row):
+        """Row's adapter: its rank (0 for rows on the base model), scale and where its matrix starts."""
         a = tl.load(IDS + row)
         safe = tl.maximum(a, 0)
         r = tl.where(a >= 0, tl.load(RANK + safe), 0)
-        ms = mb * BM + tl.arange(0, BM)
-        mlive = (ms < per_row) & ((ms * 0 + r) > 0)
-        ks = tl.arange(0, R)
-        return safe, tl.load(SCALE + safe), row * per_row + ms, ms < per_row, mlive, ks, ks < r
+        return r, tl.load(SCALE + safe), tl.load(OFF + safe)
 
     @triton.jit
-    def _shrink_tile(X, W, ao, toks, mlive, ks, live, k_lo, K, sx, KS: tl.constexpr, R: tl.constexpr,
-                     BM: tl.constexpr, BK: tl.constexpr, DOT: tl.constexpr):
-        """The tile's tokens times the adapter's A over inputs [k_lo, k_lo + KS): (BM, R) float32."""
-        acc = tl.zeros((BM, R), tl.float32)
-        for k0 in range(0, KS, BK):
-            cols = k_lo + k0 + tl.arange(0, BK)
-            cm = cols < K
-            x = tl.load(X + toks[:, None] * sx + cols[None, :], mask=mlive[:, None] & cm[None, :], other=0.0)
-            at = tl.load(W + ao + ks[None, :] * K + cols[:, None], mask=live[None, :] & cm[:, None], other=0.0)
-            if DOT:
-                acc += tl.dot(x, at)
-            else:
-                acc += tl.sum(x[:, :, None].to(tl.float32) * at[None, :, :].to(tl.float32), axis=1)
-        return acc
+    def _tok_shrink(X, IDS, W, AOFF, RANK, SCALE, V, per_row, K, sx, SPLIT, RP,
+                    KS: tl.constexpr, BK: tl.constexpr, RC: tl.constexpr):
+        """Decode pass one: program (token, split) writes x[split] @ A[:, split].T to V, RC rank
+        lanes at a time up to the adapter's own rank (no work for lanes past it)."""
+        tok, sp = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        r, _, ao = _adapter(IDS, RANK, SCALE, AOFF, tok // per_row)
+        ks = tl.arange(0, RC)
+        cols = sp * KS + tl.arange(0, BK)
+        for r0 in range(0, r, RC):
+            live = r0 + ks < r
+            acc = tl.zeros((RC, BK), tl.float32)
+            for k0 in range(0, KS, BK):
+                c = cols + k0
+                cm = c < K
+                x = tl.load(X + tok * sx + c, mask=cm, other=0.0).to(tl.float32)
+                at = tl.load(W + ao + (r0 + ks)[:, None] * K + c[None, :], mask=live[:, None] & cm[None, :], other=0.0)
+                acc += at.to(tl.float32) * x[None, :]
+            tl.store(V + (tok * SPLIT + sp) * RP + r0 + ks, tl.sum(acc, axis=1), mask=live)
 
     @triton.jit
-    def _expand_tile(Y, W, bo, sc, v, toks, mlive, ks, live, n0, N, sy, BN: tl.constexpr, DOT: tl.constexpr):
-        """Adds scale * v @ (the adapter's B transposed)[:, n0:n0 + BN] to the tile's rows of Y."""
-        outs = n0 + tl.arange(0, BN)
+    def _tok_expand(Y, IDS, W, BOFF, RANK, SCALE, V, per_row, N, sy, SPLIT, RP,
+                    SP: tl.constexpr, BN: tl.constexpr, RC: tl.constexpr):
+        """Decode pass two: program (token, block of outputs) sums the splits' partials (in a fixed
+        order: the result does not depend on timing) and adds scale * v @ B.T to them."""
+        tok, nb = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        r, sc, bo = _adapter(IDS, RANK, SCALE, BOFF, tok // per_row)
+        ks, ss = tl.arange(0, RC), tl.arange(0, SP)
+        outs = nb * BN + tl.arange(0, BN)
         om = outs < N
-        bt = tl.load(W + bo + ks[:, None] * N + outs[None, :], mask=live[:, None] & om[None, :], other=0.0)
-        if DOT:
-            d = tl.dot(v.to(bt.dtype), bt)
-        else:
-            d = tl.sum(v[:, :, None] * bt[None, :, :].to(tl.float32), axis=1)
-        ym = mlive[:, None] & om[None, :]
-        ptr = Y + toks[:, None] * sy + outs[None, :]
+        acc = tl.zeros((RC, BN), tl.float32)
+        for r0 in range(0, r, RC):
+            live = r0 + ks < r
+            v = tl.sum(tl.load(V + (tok * SPLIT + ss[:, None]) * RP + r0 + ks[None, :],
+                               mask=(ss < SPLIT)[:, None] & live[None, :], other=0.0), axis=0)
+            bt = tl.load(W + bo + (r0 + ks)[:, None] * N + outs[None, :], mask=live[:, None] & om[None, :], other=0.0)
+            acc += v[:, None] * bt.to(tl.float32)
+        ym = om & (outs * 0 + r > 0)
+        ptr = Y + tok * sy + outs
         y = tl.load(ptr, mask=ym, other=0.0).to(tl.float32)
-        tl.store(ptr, (y + d * sc).to(Y.dtype.element_ty), mask=ym)
+        tl.store(ptr, (y + tl.sum(acc, axis=0) * sc).to(Y.dtype.element_ty), mask=ym)
 
     @triton.jit
-    def _shrink(X, IDS, W, AOFF, RANK, SCALE, V, per_row, K, sx, SPLIT,
-                R: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, KS: tl.constexpr, DOT: tl.constexpr):
-        """Pass one: program (row, token tile, split) writes its split's partial shrink to V."""
-        row, mb, sp = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        a, _, toks, mrow, mlive, ks, live = _row(IDS, RANK, SCALE, per_row, row, mb, R, BM)
-        acc = _shrink_tile(X, W, tl.load(AOFF + a), toks, mlive, ks, live, sp * KS, K, sx, KS, R, BM, BK, DOT)
-        tl.store(V + (toks[:, None] * SPLIT + sp) * R + ks[None, :], acc, mask=mrow[:, None])
+    def _tile(IDS, RANK, SCALE, OFF, per_row, R: tl.constexpr, BM: tl.constexpr):
+        """Program (row, tile of its tokens): the adapter's rank, scale and matrix, the tile's
+        tokens and which exist, the rank lanes and which are live."""
+        row, mb = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        r, sc, off = _adapter(IDS, RANK, SCALE, OFF, row)
+        ms = mb * BM + tl.arange(0, BM)
+        ks = tl.arange(0, R)
+        return r, sc, off, row * per_row + ms, ms < per_row, ks, ks < r
 
     @triton.jit
-    def _expand(Y, IDS, W, BOFF, RANK, SCALE, V, per_row, N, sy, SPLIT,
-                R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr):
-        """Pass two: program (row, token tile, block of outputs) sums the partials and expands."""
-        row, mb, nb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        a, sc, toks, _, mlive, ks, live = _row(IDS, RANK, SCALE, per_row, row, mb, R, BM)
-        v = tl.zeros((BM, R), tl.float32)
-        for s in range(0, SPLIT):
-            v += tl.load(V + (toks[:, None] * SPLIT + s) * R + ks[None, :], mask=mlive[:, None], other=0.0)
-        _expand_tile(Y, W, tl.load(BOFF + a), sc, v, toks, mlive, ks, live, nb * BN, N, sy, BN, DOT)
+    def _tile_shrink(X, IDS, W, AOFF, RANK, SCALE, V, per_row, K, sx,
+                     R: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+        """Prefill pass one: program (row, tile of tokens) writes x @ A.T for the tile to V
+        (float32, R lanes per token), reading each input once."""
+        r, _, ao, toks, mm, ks, live = _tile(IDS, RANK, SCALE, AOFF, per_row, R, BM)
+        if r > 0:
+            acc = tl.zeros((BM, R), tl.float32)
+            for k0 in range(0, K, BK):
+                c = k0 + tl.arange(0, BK)
+                cm = c < K
+                x = tl.load(X + toks[:, None] * sx + c[None, :], mask=mm[:, None] & cm[None, :], other=0.0)
+                at = tl.load(W + ao + ks[None, :] * K + c[:, None], mask=live[None, :] & cm[:, None], other=0.0)
+                acc += tl.dot(x, at)
+            tl.store(V + toks[:, None] * R + ks[None, :], acc, mask=mm[:, None])
 
     @triton.jit
-    def _fused(X, Y, IDS, W, AOFF, BOFF, RANK, SCALE, per_row, K, N, sx, sy, KP: tl.constexpr,
-               R: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr, DOT: tl.constexpr):
-        """One pass: program (row, tile of its tokens) shrinks over all inputs (K rounded up to
-        KP), then expands onto every output, reading the row's adapter once."""
-        row, mb = tl.program_id(0), tl.program_id(1)
-        a, sc, toks, _, mlive, ks, live = _row(IDS, RANK, SCALE, per_row, row, mb, R, BM)
-        v = _shrink_tile(X, W, tl.load(AOFF + a), toks, mlive, ks, live, 0, K, sx, KP, R, BM, BK, DOT)
-        bo = tl.load(BOFF + a)
-        for n0 in range(0, N, BN):
-            _expand_tile(Y, W, bo, sc, v, toks, mlive, ks, live, n0, N, sy, BN, DOT)
-
-
-FUSED_PROGRAMS = 64  # prefill: at least this many (row, token tile) programs for one pass
-# decode tiles (one token per row): inputs per shrink step, outputs per expand step, warps
-# (benchmarks/lora.py --parts kernel on the H200: the two-pass form with 128 and 256 beat every
-# one-pass tiling at 8 and 128 rows but one, so decode runs two passes; prefill tiles one pass)
-DECODE = {"split_bk": 128, "split_bn": 256, "fused_bk": 256, "fused_bn": 256, "warps": 4}
+    def _tile_expand(Y, IDS, W, BOFF, RANK, SCALE, V, per_row, N, sy,
+                     R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        """Prefill pass two: program (row, tile of tokens, block of outputs) adds
+        scale * v @ B.T (v rounded to the compute dtype, as two matmuls would) to y."""
+        r, sc, bo, toks, mm, ks, live = _tile(IDS, RANK, SCALE, BOFF, per_row, R, BM)
+        if r > 0:
+            outs = tl.program_id(2) * BN + tl.arange(0, BN)
+            om = outs < N
+            v = tl.load(V + toks[:, None] * R + ks[None, :], mask=mm[:, None], other=0.0)
+            bt = tl.load(W + bo + ks[:, None] * N + outs[None, :], mask=live[:, None] & om[None, :], other=0.0)
+            d = tl.dot(v.to(bt.dtype), bt)
+            ym = mm[:, None] & om[None, :]
+            ptr = Y + toks[:, None] * sy + outs[None, :]
+            y = tl.load(ptr, mask=ym, other=0.0).to(tl.float32)
+            tl.store(ptr, (y + d * sc).to(Y.dtype.element_ty), mask=ym)
 
 
 def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: LoraPack,
-                      fused: bool | None = None) -> torch.Tensor:
+                      tiles: bool | None = None) -> torch.Tensor:
     """The kernels, on any device Triton reaches (the CPU under TRITON_INTERPRET=1, for tests);
-    y is updated in place and returned. One pass where the rows' tiles make enough programs (or
-    `fused` says so), else shrink split over the inputs and expand."""
+    y is updated in place and returned. Rows of 16 tokens or more go in tiles through tl.dot,
+    shorter ones token by token (`tiles` forces either)."""
     n = x.shape[0]
     xf = x.reshape(-1, x.shape[-1])
     if xf.stride(-1) != 1:
@@ -185,24 +202,26 @@ def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: Lo
     yf = y.view(-1, y.shape[-1])  # y is the fresh output of the base matmul: contiguous
     tokens, K, N = xf.shape[0], xf.shape[1], yf.shape[1]
     per_row = tokens // n
-    R = max(16, triton.next_power_of_2(max(p.max_rank, 1)))
-    dot = per_row >= 16  # many tokens per row: tiles through tl.dot
-    BM = (64 if R <= 32 else 32) if dot else 1
-    mblocks = triton.cdiv(per_row, BM)
     ids32 = ids.to(torch.int32)
-    c = DECODE
-    warps = 4 if dot else c["warps"]
-    if fused if fused is not None else (dot and n * mblocks >= FUSED_PROGRAMS):
-        bk = (32 if R >= 64 else 64) if dot else c["fused_bk"]
-        _fused[(n, mblocks)](xf, yf, ids32, p.buf, p.a_off, p.b_off, p.rank, p.scale, per_row, K, N,
-                             xf.stride(0), yf.stride(0), KP=triton.cdiv(K, bk) * bk, R=R, BM=BM, BK=bk,
-                             BN=64 if dot else c["fused_bn"], DOT=dot, num_warps=warps)
+    if tiles if tiles is not None else per_row >= 16:
+        c = PREFILL
+        R = max(16, triton.next_power_of_2(max(p.max_rank, 1)))
+        bm = c["bm"] if R <= 64 else c["bm"] // 2
+        v = torch.empty(tokens, R, dtype=torch.float32, device=x.device)
+        grid = (n, triton.cdiv(per_row, bm))
+        _tile_shrink[grid](xf, ids32, p.buf, p.a_off, p.rank, p.scale, v, per_row, K, xf.stride(0),
+                           R=R, BM=bm, BK=c["bk"] if R <= 64 else c["bk"] // 2, num_warps=c["warps"])
+        _tile_expand[grid + (triton.cdiv(N, c["bn"]),)](yf, ids32, p.buf, p.b_off, p.rank, p.scale, v, per_row, N,
+                                                       yf.stride(0), R=R, BM=bm, BN=c["bn"], num_warps=c["warps"])
         return y
-    split = triton.cdiv(K, SPLIT_K)
-    v = torch.empty(tokens, split, R, dtype=torch.float32, device=x.device)
-    _shrink[(n, mblocks, split)](xf, ids32, p.buf, p.a_off, p.rank, p.scale, v, per_row, K, xf.stride(0), split,
-                                 R=R, BM=BM, BK=32 if dot else c["split_bk"], KS=SPLIT_K, DOT=dot, num_warps=warps)
-    BN = ((64 if R <= 32 else 32) if dot else c["split_bn"])
-    _expand[(n, mblocks, triton.cdiv(N, BN))](yf, ids32, p.buf, p.b_off, p.rank, p.scale, v, per_row, N,
-                                              yf.stride(0), split, R=R, BM=BM, BN=BN, DOT=dot, num_warps=warps)
+    c = DECODE
+    rc = c["rc"]
+    rp = triton.cdiv(max(p.max_rank, 1), rc) * rc
+    split = triton.cdiv(K, c["split_k"])
+    v = torch.empty(tokens, split, rp, dtype=torch.float32, device=x.device)
+    _tok_shrink[(tokens, split)](xf, ids32, p.buf, p.a_off, p.rank, p.scale, v, per_row, K, xf.stride(0), split, rp,
+                                 KS=c["split_k"], BK=c["bk"], RC=rc, num_warps=c["warps"])
+    _tok_expand[(tokens, triton.cdiv(N, c["bn"]))](yf, ids32, p.buf, p.b_off, p.rank, p.scale, v, per_row, N,
+                                                   yf.stride(0), split, rp, SP=triton.next_power_of_2(split),
+                                                   BN=c["bn"], RC=rc, num_warps=c["warps"])
     return y

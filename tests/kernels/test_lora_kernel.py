@@ -1,4 +1,4 @@
-"""The LoRA kernels (one pass, and two) against their reference and against plain matmuls (on the CPU via
+"""The LoRA kernels (token by token, and in tiles of tokens) against their reference and against plain matmuls (on the CPU via
 TRITON_INTERPRET=1): adapters of mixed ranks scattered through one buffer (in another order,
 with gaps), rows on the base model among them, decode shapes (one token per row) and prefill
 shapes (tiles through tl.dot), odd sizes and dtypes."""
@@ -42,17 +42,18 @@ def scattered(ranks: list[int], fin: int, fout: int, dtype: torch.dtype, seed: i
     (4, 2, 16, 16, [5], [-1, -1, 0, -1]),
     (3, 20, 45, 70, [4, 32, 0], [1, 2, 0]),  # prefill: tl.dot tiles, a partial tile
     (2, 70, 520, 40, [64, 8], [0, 1]),  # prefill: two tiles of tokens, two splits of the input
+    (3, 17, 1100, 300, [100, 24, 7], [2, 0, 1]),  # three splits, rank lanes in several steps, R=128
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("fused", [False, True], ids=["two-pass", "fused"])
-def test_kernel_equals_reference_and_matmuls(n, s, fin, fout, ranks, ids, dtype, fused):
+@pytest.mark.parametrize("tiles", [False, True], ids=["tokens", "tiles"])
+def test_kernel_equals_reference_and_matmuls(n, s, fin, fout, ranks, ids, dtype, tiles):
     torch.manual_seed(n * 7 + fin)
     p, mats = scattered(ranks, fin, fout, dtype, n + s)
     x = torch.randn(n, s, fin).to(dtype)
     y = torch.randn(n, s, fout).to(dtype)
     idx = torch.tensor(ids, dtype=torch.int32)
     want = L.lora_delta_ref(x.to(DEV), y.to(DEV).clone(), idx.to(DEV), p).cpu()
-    got = L.lora_delta_triton(x.to(DEV), y.to(DEV).clone(), idx.to(DEV), p, fused=fused).cpu()
+    got = L.lora_delta_triton(x.to(DEV), y.to(DEV).clone(), idx.to(DEV), p, tiles=tiles).cpu()
     plain = y.double().clone()  # each row's delta from its own adapter, in float64
     for r, a in enumerate(ids):
         if a >= 0 and ranks[a]:
