@@ -37,19 +37,15 @@ from common import cuda_missing, environment, table, write_jsonl  # noqa: E402
 from flexoff.profiler import random_adapter  # noqa: E402
 
 RANKS = (8, 16, 32, 64)
-# tilings the kernel part compares (kernels.lora.DECODE for rows of one token, PREFILL for tiles)
-CONFIGS = {"decode": [{"split_k": 512, "bk": 128, "rc": 16, "bn": 256, "warps": 4},
-                      {"split_k": 256, "bk": 128, "rc": 16, "bn": 256, "warps": 4},
-                      {"split_k": 1024, "bk": 256, "rc": 16, "bn": 256, "warps": 4},
-                      {"split_k": 512, "bk": 256, "rc": 8, "bn": 256, "warps": 4},
-                      {"split_k": 512, "bk": 64, "rc": 32, "bn": 256, "warps": 4},
-                      {"split_k": 512, "bk": 128, "rc": 16, "bn": 128, "warps": 4},
-                      {"split_k": 512, "bk": 128, "rc": 16, "bn": 512, "warps": 8},
-                      {"split_k": 512, "bk": 256, "rc": 16, "bn": 256, "warps": 8},
-                      {"split_k": 4096, "bk": 256, "rc": 16, "bn": 256, "warps": 8}],
-           "prefill": [{"bm": 64, "bk": 64, "bn": 128, "warps": 4}, {"bm": 128, "bk": 64, "bn": 128, "warps": 8},
-                       {"bm": 64, "bk": 128, "bn": 256, "warps": 8}, {"bm": 128, "bk": 32, "bn": 256, "warps": 8},
-                       {"bm": 32, "bk": 64, "bn": 128, "warps": 4}]}
+# tilings the kernel part compares (changes to kernels.lora.DECODE for rows of one token, PREFILL for tiles)
+CONFIGS = {"decode": [{}, {"rc": 8, "bk": 256}, {"lanes": True, "rc": 8, "bk": 256},
+                      {"lanes": True, "rc": 16, "bk": 256}, {"lanes": True, "rc": 16, "bk": 512, "warps": 8},
+                      {"lanes": True, "rc": 8, "bk": 512}, {"rc": 8, "bk": 256, "whole": True},
+                      {"lanes": True, "rc": 8, "bk": 256, "whole": True},
+                      {"lanes": True, "rc": 8, "bk": 256, "whole": True, "bn": 128},
+                      {"lanes": True, "rc": 16, "bk": 256, "whole": True, "bn": 512, "warps": 8}],
+           "prefill": [{}, {"nloop": True}, {"nloop": True, "bn": 64}, {"nloop": True, "bm": 128, "warps": 8},
+                       {"bm": 128, "bk": 32, "bn": 256, "warps": 8}, {"nloop": True, "bk": 32}]}
 SHAPES = ((4096, 4096), (4096, 11008), (11008, 4096))  # LLaMA-7B's attention, up and down projections
 
 
@@ -232,7 +228,8 @@ def kernel_part(args: argparse.Namespace, bw: float) -> list[dict[str, Any]]:
         kind = "decode" if s == 1 else "prefill"
         calls = 10 if s == 1 else 3
         for cfg in CONFIGS[kind]:
-            (L.DECODE if s == 1 else L.PREFILL).update(cfg)
+            table = L.DECODE if s == 1 else L.PREFILL
+            table.update({**saved[s > 1], **cfg})
             for _ in range(3):
                 lora_delta_triton(x, y, ids, pack)
             torch.cuda.synchronize()
@@ -247,7 +244,7 @@ def kernel_part(args: argparse.Namespace, bw: float) -> list[dict[str, Any]]:
                 graph.replay()
             torch.cuda.synchronize()
             sec = (time.perf_counter() - t0) / (10 * calls)
-            tiles = ",".join(f"{k}={v}" for k, v in cfg.items())
+            tiles = ",".join(f"{k}={v}" for k, v in cfg.items()) or "default"
             out.append({"system": "kernel", "variant": f"{kind} {fin}x{fout} r{rk} {tiles}", "batch": n,
                         "tokens_per_row": s, "us": 1e6 * sec, "GBps": nbytes / sec / 1e9,
                         "of_copy_bandwidth": nbytes / sec / bw})

@@ -91,8 +91,8 @@ def lora_delta(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: LoraPack,
 # `rc` rank lanes per step of the adapter's own rank, `bn` outputs per expand program. Prefill
 # rows go in tiles of `bm` tokens through tl.dot: `bk` inputs per shrink step, `bn` outputs per
 # expand program.
-DECODE = {"split_k": 512, "bk": 128, "rc": 16, "bn": 256, "warps": 4}
-PREFILL = {"bm": 64, "bk": 64, "bn": 128, "warps": 4}
+DECODE = {"split_k": 512, "bk": 128, "rc": 16, "bn": 256, "warps": 4, "lanes": False, "whole": False}
+PREFILL = {"bm": 64, "bk": 64, "bn": 128, "warps": 4, "nloop": False}
 
 
 if HAVE_TRITON:
@@ -125,8 +125,28 @@ if HAVE_TRITON:
             tl.store(V + (tok * SPLIT + sp) * RP + r0 + ks, tl.sum(acc, axis=1), mask=live)
 
     @triton.jit
+    def _tok_shrink_lanes(X, IDS, W, AOFF, RANK, SCALE, V, per_row, K, sx, RP,
+                          BK: tl.constexpr, RC: tl.constexpr):
+        """Decode pass one, by lanes: program (token, RC rank lanes) writes x @ A[lanes].T to V,
+        reading those lanes' rows of A (one contiguous run of memory) over every input;
+        programs past the adapter's rank do nothing."""
+        tok, r0 = tl.program_id(0).to(tl.int64), tl.program_id(1) * RC
+        r, _, ao = _adapter(IDS, RANK, SCALE, AOFF, tok // per_row)
+        if r0 < r:
+            ks = r0 + tl.arange(0, RC)
+            live = ks < r
+            acc = tl.zeros((RC, BK), tl.float32)
+            for k0 in range(0, K, BK):
+                c = k0 + tl.arange(0, BK)
+                cm = c < K
+                x = tl.load(X + tok * sx + c, mask=cm, other=0.0).to(tl.float32)
+                at = tl.load(W + ao + ks[:, None] * K + c[None, :], mask=live[:, None] & cm[None, :], other=0.0)
+                acc += at.to(tl.float32) * x[None, :]
+            tl.store(V + tok * RP + ks, tl.sum(acc, axis=1), mask=live)
+
+    @triton.jit
     def _tok_expand(Y, IDS, W, BOFF, RANK, SCALE, V, per_row, N, sy, SPLIT, RP,
-                    SP: tl.constexpr, BN: tl.constexpr, RC: tl.constexpr):
+                    SP: tl.constexpr, BN: tl.constexpr, RC: tl.constexpr, RT: tl.constexpr, WHOLE: tl.constexpr):
         """Decode pass two: program (token, block of outputs) sums the splits' partials (in a fixed
         order: the result does not depend on timing) and adds scale * v @ B.T to them."""
         tok, nb = tl.program_id(0).to(tl.int64), tl.program_id(1)
@@ -134,17 +154,26 @@ if HAVE_TRITON:
         ks, ss = tl.arange(0, RC), tl.arange(0, SP)
         outs = nb * BN + tl.arange(0, BN)
         om = outs < N
-        acc = tl.zeros((RC, BN), tl.float32)
-        for r0 in range(0, r, RC):
-            live = r0 + ks < r
-            v = tl.sum(tl.load(V + (tok * SPLIT + ss[:, None]) * RP + r0 + ks[None, :],
-                               mask=(ss < SPLIT)[:, None] & live[None, :], other=0.0), axis=0)
-            bt = tl.load(W + bo + (r0 + ks)[:, None] * N + outs[None, :], mask=live[:, None] & om[None, :], other=0.0)
-            acc += v[:, None] * bt.to(tl.float32)
+        if WHOLE:  # every lane up to RT in one load (lanes past the rank masked, never read)
+            kt = tl.arange(0, RT)
+            lt = kt < r
+            v = tl.sum(tl.load(V + (tok * SPLIT + ss[:, None]) * RP + kt[None, :],
+                               mask=(ss < SPLIT)[:, None] & lt[None, :], other=0.0), axis=0)
+            bt = tl.load(W + bo + kt[:, None] * N + outs[None, :], mask=lt[:, None] & om[None, :], other=0.0)
+            d = tl.sum(v[:, None] * bt.to(tl.float32), axis=0)
+        else:
+            acc = tl.zeros((RC, BN), tl.float32)
+            for r0 in range(0, r, RC):
+                live = r0 + ks < r
+                v = tl.sum(tl.load(V + (tok * SPLIT + ss[:, None]) * RP + r0 + ks[None, :],
+                                   mask=(ss < SPLIT)[:, None] & live[None, :], other=0.0), axis=0)
+                bt = tl.load(W + bo + (r0 + ks)[:, None] * N + outs[None, :], mask=live[:, None] & om[None, :], other=0.0)
+                acc += v[:, None] * bt.to(tl.float32)
+            d = tl.sum(acc, axis=0)
         ym = om & (outs * 0 + r > 0)
         ptr = Y + tok * sy + outs
         y = tl.load(ptr, mask=ym, other=0.0).to(tl.float32)
-        tl.store(ptr, (y + tl.sum(acc, axis=0) * sc).to(Y.dtype.element_ty), mask=ym)
+        tl.store(ptr, (y + d * sc).to(Y.dtype.element_ty), mask=ym)
 
     @triton.jit
     def _tile(IDS, RANK, SCALE, OFF, per_row, R: tl.constexpr, BM: tl.constexpr):
@@ -173,21 +202,31 @@ if HAVE_TRITON:
             tl.store(V + toks[:, None] * R + ks[None, :], acc, mask=mm[:, None])
 
     @triton.jit
+    def _tile_add(Y, W, bo, sc, v, toks, mm, live, ks, n0, N, sy, BN: tl.constexpr):
+        """Adds scale * v @ B.T[:, n0:n0 + BN] to the tile's rows of y."""
+        outs = n0 + tl.arange(0, BN)
+        om = outs < N
+        bt = tl.load(W + bo + ks[:, None] * N + outs[None, :], mask=live[:, None] & om[None, :], other=0.0)
+        d = tl.dot(v, bt)
+        ym = mm[:, None] & om[None, :]
+        ptr = Y + toks[:, None] * sy + outs[None, :]
+        y = tl.load(ptr, mask=ym, other=0.0).to(tl.float32)
+        tl.store(ptr, (y + d * sc).to(Y.dtype.element_ty), mask=ym)
+
+    @triton.jit
     def _tile_expand(Y, IDS, W, BOFF, RANK, SCALE, V, per_row, N, sy,
-                     R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-        """Prefill pass two: program (row, tile of tokens, block of outputs) adds
-        scale * v @ B.T (v rounded to the compute dtype, as two matmuls would) to y."""
+                     R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NLOOP: tl.constexpr):
+        """Prefill pass two: program (row, tile of tokens[, block of outputs]) adds
+        scale * v @ B.T (v rounded to the compute dtype, as two matmuls would) to y: to one
+        block of outputs, or (NLOOP) to every block in turn, reading v once."""
         r, sc, bo, toks, mm, ks, live = _tile(IDS, RANK, SCALE, BOFF, per_row, R, BM)
         if r > 0:
-            outs = tl.program_id(2) * BN + tl.arange(0, BN)
-            om = outs < N
-            v = tl.load(V + toks[:, None] * R + ks[None, :], mask=mm[:, None], other=0.0)
-            bt = tl.load(W + bo + ks[:, None] * N + outs[None, :], mask=live[:, None] & om[None, :], other=0.0)
-            d = tl.dot(v.to(bt.dtype), bt)
-            ym = mm[:, None] & om[None, :]
-            ptr = Y + toks[:, None] * sy + outs[None, :]
-            y = tl.load(ptr, mask=ym, other=0.0).to(tl.float32)
-            tl.store(ptr, (y + d * sc).to(Y.dtype.element_ty), mask=ym)
+            v = tl.load(V + toks[:, None] * R + ks[None, :], mask=mm[:, None], other=0.0).to(W.dtype.element_ty)
+            if NLOOP:
+                for n0 in range(0, N, BN):
+                    _tile_add(Y, W, bo, sc, v, toks, mm, live, ks, n0, N, sy, BN)
+            else:
+                _tile_add(Y, W, bo, sc, v, toks, mm, live, ks, tl.program_id(2) * BN, N, sy, BN)
 
 
 def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: LoraPack,
@@ -211,17 +250,23 @@ def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: Lo
         grid = (n, triton.cdiv(per_row, bm))
         _tile_shrink[grid](xf, ids32, p.buf, p.a_off, p.rank, p.scale, v, per_row, K, xf.stride(0),
                            R=R, BM=bm, BK=c["bk"] if R <= 64 else c["bk"] // 2, num_warps=c["warps"])
-        _tile_expand[grid + (triton.cdiv(N, c["bn"]),)](yf, ids32, p.buf, p.b_off, p.rank, p.scale, v, per_row, N,
-                                                       yf.stride(0), R=R, BM=bm, BN=c["bn"], num_warps=c["warps"])
+        _tile_expand[grid if c["nloop"] else grid + (triton.cdiv(N, c["bn"]),)](
+            yf, ids32, p.buf, p.b_off, p.rank, p.scale, v, per_row, N, yf.stride(0), R=R, BM=bm, BN=c["bn"],
+            NLOOP=c["nloop"], num_warps=c["warps"])
         return y
     c = DECODE
     rc = c["rc"]
     rp = triton.cdiv(max(p.max_rank, 1), rc) * rc
-    split = triton.cdiv(K, c["split_k"])
+    split = 1 if c["lanes"] else triton.cdiv(K, c["split_k"])
     v = torch.empty(tokens, split, rp, dtype=torch.float32, device=x.device)
-    _tok_shrink[(tokens, split)](xf, ids32, p.buf, p.a_off, p.rank, p.scale, v, per_row, K, xf.stride(0), split, rp,
-                                 KS=c["split_k"], BK=c["bk"], RC=rc, num_warps=c["warps"])
+    if c["lanes"]:
+        _tok_shrink_lanes[(tokens, rp // rc)](xf, ids32, p.buf, p.a_off, p.rank, p.scale, v, per_row, K, xf.stride(0),
+                                              rp, BK=c["bk"], RC=rc, num_warps=c["warps"])
+    else:
+        _tok_shrink[(tokens, split)](xf, ids32, p.buf, p.a_off, p.rank, p.scale, v, per_row, K, xf.stride(0), split,
+                                     rp, KS=c["split_k"], BK=c["bk"], RC=rc, num_warps=c["warps"])
     _tok_expand[(tokens, triton.cdiv(N, c["bn"]))](yf, ids32, p.buf, p.b_off, p.rank, p.scale, v, per_row, N,
                                                    yf.stride(0), split, rp, SP=triton.next_power_of_2(split),
-                                                   BN=c["bn"], RC=rc, num_warps=c["warps"])
+                                                   BN=c["bn"], RC=rc, RT=triton.next_power_of_2(rp),
+                                                   WHOLE=c["whole"], num_warps=c["warps"])
     return y
