@@ -13,7 +13,9 @@ Knows: three parts, each comparison measured in one run:
   per row on all linear layers: each system's ratios to its own no-LoRA run and the speedup.
 - `kernel`: the shrink/expand kernels at decode shapes (one token per row) and prefill shapes
   (rows of prompt-len tokens), every row its own adapter, in each tiling of CONFIGS: bytes they
-  must move (the rows' adapters, x, y twice) over their time, against the copy bandwidth.
+  must move (the rows' adapters, x, y twice) over their time, against the copy bandwidth; and
+  a projection with its deltas (in place after the matmul, or written first) against the
+  matmul alone.
 Throughput is generated tokens over the whole run (prefill included); the decode step is the
 time for gen_len tokens less the time for one, over gen_len - 1. Prints a table, writes JSON.
 """
@@ -27,7 +29,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -38,14 +40,10 @@ from flexoff.profiler import random_adapter  # noqa: E402
 
 RANKS = (8, 16, 32, 64)
 # tilings the kernel part compares (changes to kernels.lora.DECODE for rows of one token, PREFILL for tiles)
-CONFIGS = {"decode": [{}, {"rc": 8, "bk": 256}, {"lanes": True, "rc": 8, "bk": 256},
-                      {"lanes": True, "rc": 16, "bk": 256}, {"lanes": True, "rc": 16, "bk": 512, "warps": 8},
-                      {"lanes": True, "rc": 8, "bk": 512}, {"rc": 8, "bk": 256, "whole": True},
-                      {"lanes": True, "rc": 8, "bk": 256, "whole": True},
-                      {"lanes": True, "rc": 8, "bk": 256, "whole": True, "bn": 128},
-                      {"lanes": True, "rc": 16, "bk": 256, "whole": True, "bn": 512, "warps": 8}],
-           "prefill": [{}, {"nloop": True}, {"nloop": True, "bn": 64}, {"nloop": True, "bm": 128, "warps": 8},
-                       {"bm": 128, "bk": 32, "bn": 256, "warps": 8}, {"nloop": True, "bk": 32}]}
+CONFIGS = {"decode": [{}, {"rc": 16}, {"bk": 256}, {"rc": 16, "bk": 256, "warps": 8}, {"lanes_from": 1 << 30},
+                      {"lanes_from": 1 << 30, "rc": 16, "split_bk": 128}, {"bn": 128}, {"bn": 512, "warps": 8}],
+           "prefill": [{}, {"bm": 128, "warps": 8}, {"bk": 32}, {"bn": 64}, {"bn": 256, "warps": 8},
+                       {"bm": 128, "bk": 32, "bn": 256, "warps": 8}]}
 SHAPES = ((4096, 4096), (4096, 11008), (11008, 4096))  # LLaMA-7B's attention, up and down projections
 
 
@@ -198,13 +196,32 @@ def peft_part(args: argparse.Namespace) -> list[dict[str, Any]]:
     return out
 
 
+def gpu_seconds(fn: Callable[[], Any], calls: int) -> float:
+    """GPU time of one fn() from a CUDA graph of `calls` calls replayed 10 times (no launch overhead)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / (10 * calls)
+
+
 def kernel_part(args: argparse.Namespace, bw: float) -> list[dict[str, Any]]:
     """The kernels at decode shapes (one token per row) and prefill shapes (--prefill-rows rows
     of --prompt-len tokens), every row its own adapter, of one rank or of ranks drawn from
-    RANKS; each tiling of CONFIGS. GPU time per call from CUDA graphs (no launch overhead, as in
-    the decode path's graphs); bytes: the rows' adapters, x, and y read and written."""
+    RANKS: the in-place delta in each tiling of CONFIGS (bytes: the rows' adapters, x, and y read
+    and written), its shrink alone, and what a projection costs: the base matmul alone, then
+    the in-place delta, and the delta written first with the matmul added onto it."""
     from flexoff.kernels import lora as L
-    from flexoff.kernels.lora import LoraPack, lora_delta_triton
+    from flexoff.kernels.lora import LoraPack, lora_delta_triton, lora_linear_triton, lora_shrink
 
     g = torch.Generator().manual_seed(args.seed)
     out, saved = [], (dict(L.DECODE), dict(L.PREFILL))
@@ -223,33 +240,33 @@ def kernel_part(args: argparse.Namespace, bw: float) -> list[dict[str, Any]]:
                         tuple(b_off.tolist()), (1.0,) * n)  # a pool whose largest rank is 64
         x = torch.randn(n, s, fin, dtype=torch.float16, device="cuda")
         y = torch.zeros(n, s, fout, dtype=torch.float16, device="cuda")
+        w = torch.randn(fout, fin, dtype=torch.float16, device="cuda") * 0.01
         ids = torch.arange(n, dtype=torch.int32, device="cuda")
         nbytes = buf.numel() * 2 + x.numel() * 2 + 2 * y.numel() * 2
         kind = "decode" if s == 1 else "prefill"
         calls = 10 if s == 1 else 3
+        table = L.DECODE if s == 1 else L.PREFILL
+        shape = f"{kind} {fin}x{fout} r{rk}"
+
+        def row(variant: str, sec: float, moved: int = nbytes) -> dict[str, Any]:
+            return {"system": "kernel", "variant": f"{shape} {variant}", "batch": n, "tokens_per_row": s,
+                    "us": 1e6 * sec, "GBps": moved / sec / 1e9, "of_copy_bandwidth": moved / sec / bw}
+
         for cfg in CONFIGS[kind]:
-            table = L.DECODE if s == 1 else L.PREFILL
             table.update({**saved[s > 1], **cfg})
-            for _ in range(3):
-                lora_delta_triton(x, y, ids, pack)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(calls):
-                    lora_delta_triton(x, y, ids, pack)
-            graph.replay()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(10):
-                graph.replay()
-            torch.cuda.synchronize()
-            sec = (time.perf_counter() - t0) / (10 * calls)
             tiles = ",".join(f"{k}={v}" for k, v in cfg.items()) or "default"
-            out.append({"system": "kernel", "variant": f"{kind} {fin}x{fout} r{rk} {tiles}", "batch": n,
-                        "tokens_per_row": s, "us": 1e6 * sec, "GBps": nbytes / sec / 1e9,
-                        "of_copy_bandwidth": nbytes / sec / bw})
-            del graph
-        del buf, x, y
+            out.append(row(tiles, gpu_seconds(lambda: lora_delta_triton(x, y, ids, pack), calls)))
+        table.update(saved[s > 1])
+        xf = x.view(-1, fin)
+        out.append(row("shrink", gpu_seconds(lambda: lora_shrink(xf, ids, pack, s, s > 1), calls),
+                       buf.numel() * fin // (fin + fout) * 2 + x.numel() * 2))
+        base = gpu_seconds(lambda: torch.nn.functional.linear(x, w), calls)
+        for variant, fn in (("base matmul", lambda: torch.nn.functional.linear(x, w)),
+                            ("matmul + delta", lambda: lora_delta_triton(x, torch.nn.functional.linear(x, w), ids, pack)),
+                            ("delta first, matmul onto it", lambda: lora_linear_triton(x, w, None, ids, pack))):
+            sec = base if variant == "base matmul" else gpu_seconds(fn, calls)
+            out.append({**row(variant, sec), "vs_base_matmul": sec / base})
+        del buf, x, y, w
     L.DECODE.update(saved[0])
     L.PREFILL.update(saved[1])
     return out
@@ -296,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
             r.update(part=part, model=args.model if part == "population" else args.peft_model,
                      prompt_len=args.prompt_len, gen_len=args.gen_len, copy_GBps=bw / 1e9, **env)
         rows += got
-        cols = ["system", "variant", "batch", "us", "GBps", "of_copy_bandwidth"] if part == "kernel" else \
+        cols = ["system", "variant", "batch", "us", "GBps", "of_copy_bandwidth", "vs_base_matmul"] if part == "kernel" else \
             ["system", "variant", "batch", "decode_step_ms", "generation_throughput", "vs_no_lora", "vs_peft",
              "used_adapters", "mean_rank"]
         print(table(got, cols), flush=True)

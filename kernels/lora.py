@@ -77,22 +77,36 @@ def lora_delta_ref(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: LoraP
     return y
 
 
+def _kernels(x: torch.Tensor) -> bool:
+    """Whether the kernels serve: CUDA tensors where autograd does not record (a training
+    sweep's recompute differentiates through the reference)."""
+    return HAVE_TRITON and x.is_cuda and not torch.is_grad_enabled()
+
+
 def lora_delta(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: LoraPack,
                host_ids: tuple[int, ...] | None = None) -> torch.Tensor:
-    """The dispatch: the kernels for CUDA tensors, the reference elsewhere and wherever autograd
-    records (a training sweep's recompute differentiates through it)."""
-    if HAVE_TRITON and x.is_cuda and not torch.is_grad_enabled():
+    """The dispatch for y = x's projection: the kernels or the reference."""
+    if _kernels(x):
         return lora_delta_triton(x, y, ids, p)
     return lora_delta_ref(x, y, ids, p, host_ids)
 
 
+def lora_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ids: torch.Tensor, p: LoraPack,
+                host_ids: tuple[int, ...] | None = None) -> torch.Tensor:
+    """The dispatch for x @ w.T + b with the rows' deltas, w a plain matrix."""
+    if _kernels(x):
+        return lora_linear_triton(x, w, b, ids, p)
+    return lora_delta_ref(x, F.linear(x, w, b), ids, p, host_ids)
+
+
 # Tilings (benchmarks/lora.py --parts kernel compares others on the GPU). Decode rows (fewer
-# than 16 tokens) go token by token: `split_k` inputs per shrink program, `bk` of them per load,
-# `rc` rank lanes per step of the adapter's own rank, `bn` outputs per expand program. Prefill
-# rows go in tiles of `bm` tokens through tl.dot: `bk` inputs per shrink step, `bn` outputs per
-# expand program.
-DECODE = {"split_k": 512, "bk": 128, "rc": 16, "bn": 256, "warps": 4, "lanes": False, "whole": False}
-PREFILL = {"bm": 64, "bk": 64, "bn": 128, "warps": 4, "nloop": False}
+# than 16 tokens each) go token by token: a batch of `lanes_from` tokens or more shrinks by rank
+# lanes (program: `rc` lanes of one token over every input, `bk` inputs per load), a smaller one
+# by splits of `split_k` inputs (enough programs for a few tokens); the expand steps `rc` lanes
+# at a time over `bn` outputs per program. Prefill rows go in tiles of `bm` tokens through
+# tl.dot: `bk` inputs per shrink step, `bn` outputs per expand program.
+DECODE = {"lanes_from": 16, "split_k": 512, "bk": 512, "split_bk": 256, "rc": 8, "bn": 256, "warps": 4}
+PREFILL = {"bm": 64, "bk": 64, "bn": 128, "warps": 4}
 
 
 if HAVE_TRITON:
@@ -107,8 +121,8 @@ if HAVE_TRITON:
     @triton.jit
     def _tok_shrink(X, IDS, W, AOFF, RANK, SCALE, V, per_row, K, sx, SPLIT, RP,
                     KS: tl.constexpr, BK: tl.constexpr, RC: tl.constexpr):
-        """Decode pass one: program (token, split) writes x[split] @ A[:, split].T to V, RC rank
-        lanes at a time up to the adapter's own rank (no work for lanes past it)."""
+        """Decode pass one, by splits: program (token, split) writes x[split] @ A[:, split].T to
+        V, RC rank lanes at a time up to the adapter's own rank."""
         tok, sp = tl.program_id(0).to(tl.int64), tl.program_id(1)
         r, _, ao = _adapter(IDS, RANK, SCALE, AOFF, tok // per_row)
         ks = tl.arange(0, RC)
@@ -145,35 +159,38 @@ if HAVE_TRITON:
             tl.store(V + tok * RP + ks, tl.sum(acc, axis=1), mask=live)
 
     @triton.jit
-    def _tok_expand(Y, IDS, W, BOFF, RANK, SCALE, V, per_row, N, sy, SPLIT, RP,
-                    SP: tl.constexpr, BN: tl.constexpr, RC: tl.constexpr, RT: tl.constexpr, WHOLE: tl.constexpr):
-        """Decode pass two: program (token, block of outputs) sums the splits' partials (in a fixed
-        order: the result does not depend on timing) and adds scale * v @ B.T to them."""
+    def _store(Y, B, ptr, d, outs, om, mask, r, sc, ADD: tl.constexpr, HAS_B: tl.constexpr):
+        """y + scale * d (ADD), or scale * d + bias written over y (the base matmul adds itself
+        afterwards); rows on the base model: untouched (ADD) or the bias alone. outs: the
+        output columns (om: which exist), mask: which elements of y."""
+        d = d * sc
+        if ADD:
+            mask = mask & ((outs * 0 + r) > 0)
+            d += tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
+        else:
+            d = tl.where((outs * 0 + r) > 0, d, 0.0)
+            if HAS_B:
+                d += tl.load(B + outs, mask=om, other=0.0).to(tl.float32)
+        tl.store(ptr, d.to(Y.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _tok_expand(Y, B, IDS, W, BOFF, RANK, SCALE, V, per_row, N, sy, SPLIT, RP,
+                    SP: tl.constexpr, BN: tl.constexpr, RC: tl.constexpr, ADD: tl.constexpr, HAS_B: tl.constexpr):
+        """Decode pass two: program (token, block of outputs) sums the shrink's partials (in a
+        fixed order: the result does not depend on timing) and expands them, RC lanes at a time."""
         tok, nb = tl.program_id(0).to(tl.int64), tl.program_id(1)
         r, sc, bo = _adapter(IDS, RANK, SCALE, BOFF, tok // per_row)
         ks, ss = tl.arange(0, RC), tl.arange(0, SP)
         outs = nb * BN + tl.arange(0, BN)
         om = outs < N
-        if WHOLE:  # every lane up to RT in one load (lanes past the rank masked, never read)
-            kt = tl.arange(0, RT)
-            lt = kt < r
-            v = tl.sum(tl.load(V + (tok * SPLIT + ss[:, None]) * RP + kt[None, :],
-                               mask=(ss < SPLIT)[:, None] & lt[None, :], other=0.0), axis=0)
-            bt = tl.load(W + bo + kt[:, None] * N + outs[None, :], mask=lt[:, None] & om[None, :], other=0.0)
-            d = tl.sum(v[:, None] * bt.to(tl.float32), axis=0)
-        else:
-            acc = tl.zeros((RC, BN), tl.float32)
-            for r0 in range(0, r, RC):
-                live = r0 + ks < r
-                v = tl.sum(tl.load(V + (tok * SPLIT + ss[:, None]) * RP + r0 + ks[None, :],
-                                   mask=(ss < SPLIT)[:, None] & live[None, :], other=0.0), axis=0)
-                bt = tl.load(W + bo + (r0 + ks)[:, None] * N + outs[None, :], mask=live[:, None] & om[None, :], other=0.0)
-                acc += v[:, None] * bt.to(tl.float32)
-            d = tl.sum(acc, axis=0)
-        ym = om & (outs * 0 + r > 0)
-        ptr = Y + tok * sy + outs
-        y = tl.load(ptr, mask=ym, other=0.0).to(tl.float32)
-        tl.store(ptr, (y + d * sc).to(Y.dtype.element_ty), mask=ym)
+        acc = tl.zeros((RC, BN), tl.float32)
+        for r0 in range(0, r, RC):
+            live = r0 + ks < r
+            v = tl.sum(tl.load(V + (tok * SPLIT + ss[:, None]) * RP + r0 + ks[None, :],
+                               mask=(ss < SPLIT)[:, None] & live[None, :], other=0.0), axis=0)
+            bt = tl.load(W + bo + (r0 + ks)[:, None] * N + outs[None, :], mask=live[:, None] & om[None, :], other=0.0)
+            acc += v[:, None] * bt.to(tl.float32)
+        _store(Y, B, Y + tok * sy + outs, tl.sum(acc, axis=0), outs, om, om, r, sc, ADD, HAS_B)
 
     @triton.jit
     def _tile(IDS, RANK, SCALE, OFF, per_row, R: tl.constexpr, BM: tl.constexpr):
@@ -202,31 +219,85 @@ if HAVE_TRITON:
             tl.store(V + toks[:, None] * R + ks[None, :], acc, mask=mm[:, None])
 
     @triton.jit
-    def _tile_add(Y, W, bo, sc, v, toks, mm, live, ks, n0, N, sy, BN: tl.constexpr):
-        """Adds scale * v @ B.T[:, n0:n0 + BN] to the tile's rows of y."""
-        outs = n0 + tl.arange(0, BN)
-        om = outs < N
-        bt = tl.load(W + bo + ks[:, None] * N + outs[None, :], mask=live[:, None] & om[None, :], other=0.0)
-        d = tl.dot(v, bt)
-        ym = mm[:, None] & om[None, :]
-        ptr = Y + toks[:, None] * sy + outs[None, :]
-        y = tl.load(ptr, mask=ym, other=0.0).to(tl.float32)
-        tl.store(ptr, (y + d * sc).to(Y.dtype.element_ty), mask=ym)
-
-    @triton.jit
-    def _tile_expand(Y, IDS, W, BOFF, RANK, SCALE, V, per_row, N, sy,
-                     R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NLOOP: tl.constexpr):
-        """Prefill pass two: program (row, tile of tokens[, block of outputs]) adds
-        scale * v @ B.T (v rounded to the compute dtype, as two matmuls would) to y: to one
-        block of outputs, or (NLOOP) to every block in turn, reading v once."""
+    def _tile_expand(Y, B, IDS, W, BOFF, RANK, SCALE, V, per_row, N, sy,
+                     R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, ADD: tl.constexpr, HAS_B: tl.constexpr):
+        """Prefill pass two: program (row, tile of tokens, block of outputs) expands v (rounded
+        to the compute dtype, as two matmuls would) onto its block of y."""
         r, sc, bo, toks, mm, ks, live = _tile(IDS, RANK, SCALE, BOFF, per_row, R, BM)
+        outs = tl.program_id(2) * BN + tl.arange(0, BN)
+        om = outs < N
+        ym = mm[:, None] & om[None, :]
+        d = tl.zeros((BM, BN), tl.float32)
         if r > 0:
             v = tl.load(V + toks[:, None] * R + ks[None, :], mask=mm[:, None], other=0.0).to(W.dtype.element_ty)
-            if NLOOP:
-                for n0 in range(0, N, BN):
-                    _tile_add(Y, W, bo, sc, v, toks, mm, live, ks, n0, N, sy, BN)
-            else:
-                _tile_add(Y, W, bo, sc, v, toks, mm, live, ks, tl.program_id(2) * BN, N, sy, BN)
+            bt = tl.load(W + bo + ks[:, None] * N + outs[None, :], mask=live[:, None] & om[None, :], other=0.0)
+            d = tl.dot(v, bt)
+        _store(Y, B, Y + toks[:, None] * sy + outs[None, :], d, outs[None, :], om[None, :], ym, r, sc, ADD, HAS_B)
+
+
+def lora_shrink(xf: torch.Tensor, ids: torch.Tensor, p: LoraPack, per_row: int, tiles: bool) -> torch.Tensor:
+    """Pass one over x (tokens, in), rows of per_row tokens: each token's x @ A.T, as float32
+    partial sums (tokens, splits, lanes) for token-by-token rows, (tokens, lanes) for tiles."""
+    tokens, K = xf.shape
+    if tiles:
+        c = PREFILL
+        R = _tile_lanes(p)
+        v = torch.empty(tokens, R, dtype=torch.float32, device=xf.device)
+        bm = c["bm"] if R <= 64 else c["bm"] // 2
+        _tile_shrink[(tokens // per_row, triton.cdiv(per_row, bm))](
+            xf, ids, p.buf, p.a_off, p.rank, p.scale, v, per_row, K, xf.stride(0),
+            R=R, BM=bm, BK=c["bk"] if R <= 64 else c["bk"] // 2, num_warps=c["warps"])
+        return v
+    c = DECODE
+    rc = c["rc"]
+    rp = triton.cdiv(max(p.max_rank, 1), rc) * rc
+    lanes = tokens >= c["lanes_from"]
+    split = 1 if lanes else triton.cdiv(K, c["split_k"])
+    v = torch.empty(tokens, split, rp, dtype=torch.float32, device=xf.device)
+    if lanes:
+        _tok_shrink_lanes[(tokens, rp // rc)](xf, ids, p.buf, p.a_off, p.rank, p.scale, v, per_row, K, xf.stride(0),
+                                              rp, BK=c["bk"], RC=rc, num_warps=c["warps"])
+    else:
+        _tok_shrink[(tokens, split)](xf, ids, p.buf, p.a_off, p.rank, p.scale, v, per_row, K, xf.stride(0), split,
+                                     rp, KS=c["split_k"], BK=c["split_bk"], RC=rc, num_warps=c["warps"])
+    return v
+
+
+def lora_expand(v: torch.Tensor, yf: torch.Tensor, ids: torch.Tensor, p: LoraPack, per_row: int,
+                add: bool = True, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Pass two onto y (tokens, out): y + scale * v @ B.T where `add`, else scale * v @ B.T
+    (+ bias) written over y, every row (base rows: zeros or the bias)."""
+    tokens, N = yf.shape
+    b = bias if bias is not None else yf
+    if v.dim() == 2:
+        c = PREFILL
+        R = v.shape[1]
+        bm = c["bm"] if R <= 64 else c["bm"] // 2
+        _tile_expand[(tokens // per_row, triton.cdiv(per_row, bm), triton.cdiv(N, c["bn"]))](
+            yf, b, ids, p.buf, p.b_off, p.rank, p.scale, v, per_row, N, yf.stride(0), R=R, BM=bm, BN=c["bn"],
+            ADD=add, HAS_B=bias is not None, num_warps=c["warps"])
+        return yf
+    c = DECODE
+    split, rp = v.shape[1], v.shape[2]
+    _tok_expand[(tokens, triton.cdiv(N, c["bn"]))](yf, b, ids, p.buf, p.b_off, p.rank, p.scale, v, per_row, N,
+                                                   yf.stride(0), split, rp, SP=triton.next_power_of_2(split),
+                                                   BN=c["bn"], RC=c["rc"], ADD=add, HAS_B=bias is not None,
+                                                   num_warps=c["warps"])
+    return yf
+
+
+def _tile_lanes(p: LoraPack) -> int:
+    """Rank lanes of a prefill tile: the pool's largest rank, a power of two, 16 at least (tl.dot)."""
+    return max(16, triton.next_power_of_2(max(p.max_rank, 1)))
+
+
+def _flat(x: torch.Tensor, ids: torch.Tensor, tiles: bool | None) -> tuple[torch.Tensor, torch.Tensor, int, bool]:
+    """x as (tokens, in) with unit stride, the ids as int32, tokens per row, and whether rows go in tiles."""
+    xf = x.reshape(-1, x.shape[-1])
+    if xf.stride(-1) != 1:
+        xf = xf.contiguous()
+    per_row = xf.shape[0] // x.shape[0]
+    return xf, ids.to(torch.int32), per_row, tiles if tiles is not None else per_row >= 16
 
 
 def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: LoraPack,
@@ -234,39 +305,17 @@ def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: Lo
     """The kernels, on any device Triton reaches (the CPU under TRITON_INTERPRET=1, for tests);
     y is updated in place and returned. Rows of 16 tokens or more go in tiles through tl.dot,
     shorter ones token by token (`tiles` forces either)."""
-    n = x.shape[0]
-    xf = x.reshape(-1, x.shape[-1])
-    if xf.stride(-1) != 1:
-        xf = xf.contiguous()
-    yf = y.view(-1, y.shape[-1])  # y is the fresh output of the base matmul: contiguous
-    tokens, K, N = xf.shape[0], xf.shape[1], yf.shape[1]
-    per_row = tokens // n
-    ids32 = ids.to(torch.int32)
-    if tiles if tiles is not None else per_row >= 16:
-        c = PREFILL
-        R = max(16, triton.next_power_of_2(max(p.max_rank, 1)))
-        bm = c["bm"] if R <= 64 else c["bm"] // 2
-        v = torch.empty(tokens, R, dtype=torch.float32, device=x.device)
-        grid = (n, triton.cdiv(per_row, bm))
-        _tile_shrink[grid](xf, ids32, p.buf, p.a_off, p.rank, p.scale, v, per_row, K, xf.stride(0),
-                           R=R, BM=bm, BK=c["bk"] if R <= 64 else c["bk"] // 2, num_warps=c["warps"])
-        _tile_expand[grid if c["nloop"] else grid + (triton.cdiv(N, c["bn"]),)](
-            yf, ids32, p.buf, p.b_off, p.rank, p.scale, v, per_row, N, yf.stride(0), R=R, BM=bm, BN=c["bn"],
-            NLOOP=c["nloop"], num_warps=c["warps"])
-        return y
-    c = DECODE
-    rc = c["rc"]
-    rp = triton.cdiv(max(p.max_rank, 1), rc) * rc
-    split = 1 if c["lanes"] else triton.cdiv(K, c["split_k"])
-    v = torch.empty(tokens, split, rp, dtype=torch.float32, device=x.device)
-    if c["lanes"]:
-        _tok_shrink_lanes[(tokens, rp // rc)](xf, ids32, p.buf, p.a_off, p.rank, p.scale, v, per_row, K, xf.stride(0),
-                                              rp, BK=c["bk"], RC=rc, num_warps=c["warps"])
-    else:
-        _tok_shrink[(tokens, split)](xf, ids32, p.buf, p.a_off, p.rank, p.scale, v, per_row, K, xf.stride(0), split,
-                                     rp, KS=c["split_k"], BK=c["bk"], RC=rc, num_warps=c["warps"])
-    _tok_expand[(tokens, triton.cdiv(N, c["bn"]))](yf, ids32, p.buf, p.b_off, p.rank, p.scale, v, per_row, N,
-                                                   yf.stride(0), split, rp, SP=triton.next_power_of_2(split),
-                                                   BN=c["bn"], RC=rc, RT=triton.next_power_of_2(rp),
-                                                   WHOLE=c["whole"], num_warps=c["warps"])
+    xf, ids32, per_row, tiles = _flat(x, ids, tiles)
+    lora_expand(lora_shrink(xf, ids32, p, per_row, tiles), y.view(-1, y.shape[-1]), ids32, p, per_row)
     return y
+
+
+def lora_linear_triton(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ids: torch.Tensor, p: LoraPack,
+                       tiles: bool | None = None) -> torch.Tensor:
+    """x @ w.T + b plus each row's LoRA delta, the delta first: the expand writes scale * v @ B.T
+    + b (no read of y), and the base matmul adds itself onto it (cuBLAS reads it in its epilogue),
+    so y is read and written once less than by a matmul and then an in-place delta."""
+    xf, ids32, per_row, tiles = _flat(x, ids, tiles)
+    y = torch.empty(xf.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+    lora_expand(lora_shrink(xf, ids32, p, per_row, tiles), y, ids32, p, per_row, add=False, bias=b)
+    return y.addmm_(xf, w.t()).view(*x.shape[:-1], w.shape[0])

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 import torch
 
 from flexoff.adapters.peft import Adapter
-from flexoff.kernels.lora import LoraPack, lora_delta
+from flexoff.kernels.lora import LoraPack, lora_delta, lora_linear
 from flexoff.offload.tiers import pinned_empty
 from flexoff.models.base import linear, materialize
 
@@ -46,6 +46,8 @@ class LoraLinear:
         self.host_ids = host_ids  # the same adapter indices on the host, where known
 
     def linear(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(self.base, torch.Tensor):  # the delta first, the base matmul added onto it
+            return lora_linear(x, self.base, b, self.ids, self.pack, self.host_ids)
         return lora_delta(x, linear(x, self.base, b), self.ids, self.pack, self.host_ids)
 
     def dense(self) -> torch.Tensor:

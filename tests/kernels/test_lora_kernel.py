@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from flexoff.kernels import lora as L
 
@@ -43,6 +44,7 @@ def scattered(ranks: list[int], fin: int, fout: int, dtype: torch.dtype, seed: i
     (3, 20, 45, 70, [4, 32, 0], [1, 2, 0]),  # prefill: tl.dot tiles, a partial tile
     (2, 70, 520, 40, [64, 8], [0, 1]),  # prefill: two tiles of tokens, two splits of the input
     (3, 17, 1100, 300, [100, 24, 7], [2, 0, 1]),  # three splits, rank lanes in several steps, R=128
+    (20, 1, 300, 50, [8, 16, 3], [0, 1, 2, -1] * 5),  # decode rows enough to shrink by rank lanes
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("tiles", [False, True], ids=["tokens", "tiles"])
@@ -65,3 +67,24 @@ def test_kernel_equals_reference_and_matmuls(n, s, fin, fout, ranks, ids, dtype,
     assert (want.double() - plain).abs().max() <= tol * scale
     base_rows = [r for r, a in enumerate(ids) if a < 0 or ranks[a] == 0]
     assert torch.equal(got[base_rows], y[base_rows])  # rows without LoRA untouched
+
+
+@pytest.mark.parametrize("n,s,ranks,ids", [(6, 1, [4, 16], [1, -1, 0, 0, 1, -1]),
+                                           (20, 1, [8, 3], [0, 1, -1, 1] * 5),
+                                           (3, 18, [32, 5], [-1, 1, 0])])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_writes_the_delta_then_adds_the_base(n, s, ranks, ids, bias):
+    """lora_linear_triton (delta written first, the base matmul added onto it) against the
+    matmul plus the reference's delta; rows on the base model get the plain projection."""
+    torch.manual_seed(n + s)
+    fin, fout = 70, 90
+    p, _ = scattered(ranks, fin, fout, torch.float32, n)
+    x = torch.randn(n, s, fin, device=DEV)
+    w = torch.randn(fout, fin, device=DEV)
+    b = torch.randn(fout, device=DEV) if bias else None
+    idx = torch.tensor(ids, dtype=torch.int32, device=DEV)
+    want = L.lora_delta_ref(x, F.linear(x, w, b), idx, p)
+    got = L.lora_linear_triton(x, w, b, idx, p)
+    tol = 1e-4 if DEV == "cpu" else 2e-3
+    assert got.shape == want.shape
+    assert (got - want).abs().max() <= tol * want.abs().max()
