@@ -76,7 +76,10 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
     from flexoff import LLM, Policy
     from flexoff.api import SamplingParams
     from flexoff.checkpoint import load_model
+    from flexoff.kernels import lora as L
     from throughput import parse_policy
+
+    L.WRITE_FIRST = args.deltas == "first"
 
     g = torch.Generator().manual_seed(args.seed)
     auto = args.policy == "auto"
@@ -124,7 +127,7 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
         runs = [("warm", timed(m, prompts, args.gen_len, names, policy=with_lora))]
         if not args.skip_cold:  # every adapter copied again
             runs.append(("cold", timed(m, prompts, args.gen_len, names, m.adapter_pool().drop_cache, policy=with_lora)))
-        extra = {"adapters": args.adapters, "used_adapters": len(used), "mean_rank": mean_rank,
+        extra = {"adapters": args.adapters, "used_adapters": len(used), "mean_rank": mean_rank, "deltas": args.deltas,
                  "policy": m.last_policy.describe(), "auto": auto, "setup_adapters_s": made,
                  "adapter_host_bytes": m.adapter_host_bytes()}
     for v, (one, full) in runs:
@@ -221,10 +224,10 @@ def kernel_part(args: argparse.Namespace, bw: float) -> list[dict[str, Any]]:
     and written), its shrink alone, and what a projection costs: the base matmul alone, then
     the in-place delta, and the delta written first with the matmul added onto it."""
     from flexoff.kernels import lora as L
-    from flexoff.kernels.lora import LoraPack, lora_delta_triton, lora_linear_triton, lora_shrink
+    from flexoff.kernels.lora import LoraPack, lora_delta_triton, lora_linears, lora_shrink
 
     g = torch.Generator().manual_seed(args.seed)
-    out, saved = [], (dict(L.DECODE), dict(L.PREFILL))
+    out, saved = [], (dict(L.DECODE), dict(L.PREFILL), L.WRITE_FIRST)
     cases = [(int(n), 1, shape, rk) for n in str(args.rows).split(",") for shape in SHAPES
              for rk in ("16", "64", "mixed")]
     cases += [(args.prefill_rows, args.prompt_len, shape, "mixed") for shape in SHAPES]
@@ -261,11 +264,13 @@ def kernel_part(args: argparse.Namespace, bw: float) -> list[dict[str, Any]]:
         out.append(row("shrink", gpu_seconds(lambda: lora_shrink(xf, ids, pack, s, s > 1), calls),
                        buf.numel() * fin // (fin + fout) * 2 + x.numel() * 2))
         base = gpu_seconds(lambda: torch.nn.functional.linear(x, w), calls)
-        for variant, fn in (("base matmul", lambda: torch.nn.functional.linear(x, w)),
-                            ("matmul + delta", lambda: lora_delta_triton(x, torch.nn.functional.linear(x, w), ids, pack)),
-                            ("delta first, matmul onto it", lambda: lora_linear_triton(x, w, None, ids, pack))):
-            sec = base if variant == "base matmul" else gpu_seconds(fn, calls)
-            out.append({**row(variant, sec), "vs_base_matmul": sec / base})
+        out.append({**row("base matmul", base), "vs_base_matmul": 1.0})
+        for first in (False, True):
+            L.WRITE_FIRST = first
+            sec = gpu_seconds(lambda: lora_linears(x, w, None, [fout], ids, [pack]), calls)
+            out.append({**row("delta first, matmul onto it" if first else "matmul + delta", sec),
+                        "vs_base_matmul": sec / base})
+        L.WRITE_FIRST = saved[2]
         del buf, x, y, w
     L.DECODE.update(saved[0])
     L.PREFILL.update(saved[1])
@@ -293,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peft-batch", type=int, default=32)
     ap.add_argument("--rows", default="8,128", help="kernel part: decode rows (a list), each with its own adapter")
     ap.add_argument("--prefill-rows", type=int, default=128, help="kernel part: prefill rows of --prompt-len tokens")
+    ap.add_argument("--deltas", choices=("first", "after"), default="first",
+                    help="population: LoRA deltas written before the base matmul adds itself, or added after it")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out/lora.jsonl"))
     args = ap.parse_args(argv)

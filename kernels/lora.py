@@ -19,6 +19,7 @@ Does not know: where adapters come from, which rows have which adapter.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -91,22 +92,19 @@ def lora_delta(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: LoraPack,
     return lora_delta_ref(x, y, ids, p, host_ids)
 
 
-def lora_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ids: torch.Tensor, p: LoraPack,
-                host_ids: tuple[int, ...] | None = None) -> torch.Tensor:
-    """The dispatch for x @ w.T + b with the rows' deltas, w a plain matrix."""
-    if _kernels(x):
-        return lora_linear_triton(x, w, b, ids, p)
-    return lora_delta_ref(x, F.linear(x, w, b), ids, p, host_ids)
+
 
 
 # Tilings (benchmarks/lora.py --parts kernel compares others on the GPU). Decode rows (fewer
 # than 16 tokens each) go token by token: a batch of `lanes_from` tokens or more shrinks by rank
 # lanes (program: `rc` lanes of one token over every input, `bk` inputs per load), a smaller one
-# by splits of `split_k` inputs (enough programs for a few tokens); the expand steps `rc` lanes
-# at a time over `bn` outputs per program. Prefill rows go in tiles of `bm` tokens through
+# by splits of `split_k` inputs (enough programs for a few tokens; `split_rc` lanes, `split_bk`
+# inputs a step); the expand steps through the same lanes over `bn` outputs per program. Prefill rows go in tiles of `bm` tokens through
 # tl.dot: `bk` inputs per shrink step, `bn` outputs per expand program.
-DECODE = {"lanes_from": 16, "split_k": 512, "bk": 512, "split_bk": 256, "rc": 8, "bn": 256, "warps": 4}
-PREFILL = {"bm": 64, "bk": 64, "bn": 128, "warps": 4}
+DECODE = {"lanes_from": 16, "split_k": 512, "bk": 512, "split_bk": 256, "rc": 8, "split_rc": 16, "bn": 256,
+          "warps": 4}
+PREFILL = {"bm": 128, "bk": 64, "bn": 128, "warps": 8}
+WRITE_FIRST = True  # lora_linears: the deltas written first and the base matmul added onto them
 
 
 if HAVE_TRITON:
@@ -240,18 +238,16 @@ def lora_shrink(xf: torch.Tensor, ids: torch.Tensor, p: LoraPack, per_row: int, 
     partial sums (tokens, splits, lanes) for token-by-token rows, (tokens, lanes) for tiles."""
     tokens, K = xf.shape
     if tiles:
-        c = PREFILL
-        R = _tile_lanes(p)
+        R = max(16, triton.next_power_of_2(max(p.max_rank, 1)))  # tl.dot takes 16 at least
         v = torch.empty(tokens, R, dtype=torch.float32, device=xf.device)
-        bm = c["bm"] if R <= 64 else c["bm"] // 2
+        bm, bk = _prefill_tile(R)
         _tile_shrink[(tokens // per_row, triton.cdiv(per_row, bm))](
             xf, ids, p.buf, p.a_off, p.rank, p.scale, v, per_row, K, xf.stride(0),
-            R=R, BM=bm, BK=c["bk"] if R <= 64 else c["bk"] // 2, num_warps=c["warps"])
+            R=R, BM=bm, BK=bk, num_warps=PREFILL["warps"])
         return v
     c = DECODE
-    rc = c["rc"]
+    lanes, rc = _lanes(tokens)
     rp = triton.cdiv(max(p.max_rank, 1), rc) * rc
-    lanes = tokens >= c["lanes_from"]
     split = 1 if lanes else triton.cdiv(K, c["split_k"])
     v = torch.empty(tokens, split, rp, dtype=torch.float32, device=xf.device)
     if lanes:
@@ -272,7 +268,7 @@ def lora_expand(v: torch.Tensor, yf: torch.Tensor, ids: torch.Tensor, p: LoraPac
     if v.dim() == 2:
         c = PREFILL
         R = v.shape[1]
-        bm = c["bm"] if R <= 64 else c["bm"] // 2
+        bm = _prefill_tile(R)[0]
         _tile_expand[(tokens // per_row, triton.cdiv(per_row, bm), triton.cdiv(N, c["bn"]))](
             yf, b, ids, p.buf, p.b_off, p.rank, p.scale, v, per_row, N, yf.stride(0), R=R, BM=bm, BN=c["bn"],
             ADD=add, HAS_B=bias is not None, num_warps=c["warps"])
@@ -281,14 +277,21 @@ def lora_expand(v: torch.Tensor, yf: torch.Tensor, ids: torch.Tensor, p: LoraPac
     split, rp = v.shape[1], v.shape[2]
     _tok_expand[(tokens, triton.cdiv(N, c["bn"]))](yf, b, ids, p.buf, p.b_off, p.rank, p.scale, v, per_row, N,
                                                    yf.stride(0), split, rp, SP=triton.next_power_of_2(split),
-                                                   BN=c["bn"], RC=c["rc"], ADD=add, HAS_B=bias is not None,
+                                                   BN=c["bn"], RC=_lanes(tokens)[1], ADD=add, HAS_B=bias is not None,
                                                    num_warps=c["warps"])
     return yf
 
 
-def _tile_lanes(p: LoraPack) -> int:
-    """Rank lanes of a prefill tile: the pool's largest rank, a power of two, 16 at least (tl.dot)."""
-    return max(16, triton.next_power_of_2(max(p.max_rank, 1)))
+def _prefill_tile(R: int) -> tuple[int, int]:
+    """A prefill tile's tokens and inputs per step for R rank lanes (halved past 64: registers)."""
+    c = PREFILL
+    return (c["bm"], c["bk"]) if R <= 64 else (c["bm"] // 2, c["bk"] // 2)
+
+
+def _lanes(tokens: int) -> tuple[bool, int]:
+    """Whether a decode batch of this many tokens shrinks by rank lanes, and the lanes a step takes."""
+    lanes = tokens >= DECODE["lanes_from"]
+    return lanes, DECODE["rc" if lanes else "split_rc"]
 
 
 def _flat(x: torch.Tensor, ids: torch.Tensor, tiles: bool | None) -> tuple[torch.Tensor, torch.Tensor, int, bool]:
@@ -310,12 +313,25 @@ def lora_delta_triton(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: Lo
     return y
 
 
-def lora_linear_triton(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ids: torch.Tensor, p: LoraPack,
-                       tiles: bool | None = None) -> torch.Tensor:
-    """x @ w.T + b plus each row's LoRA delta, the delta first: the expand writes scale * v @ B.T
-    + b (no read of y), and the base matmul adds itself onto it (cuBLAS reads it in its epilogue),
-    so y is read and written once less than by a matmul and then an in-place delta."""
-    xf, ids32, per_row, tiles = _flat(x, ids, tiles)
-    y = torch.empty(xf.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-    lora_expand(lora_shrink(xf, ids32, p, per_row, tiles), y, ids32, p, per_row, add=False, bias=b)
-    return y.addmm_(xf, w.t()).view(*x.shape[:-1], w.shape[0])
+def lora_linears(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, outs: Sequence[int], ids: torch.Tensor,
+                 packs: Sequence[LoraPack], host_ids: tuple[int, ...] | None = None,
+                 kernels: bool | None = None) -> list[torch.Tensor]:
+    """x @ w.T + b for projections stacked in w (`outs`: their widths; one, or q, k and v, or
+    gate and up), each plus its rows' deltas from its own pack: one base matmul for all. With
+    the kernels (where `_kernels` says, or `kernels` forces them) and WRITE_FIRST, the expands
+    write scale * v @ B.T + b into each projection's columns and the base matmul adds itself
+    onto them (cuBLAS reads them in its epilogue), so y is read and written once less than by
+    a matmul and then in-place deltas; without WRITE_FIRST the deltas are added after."""
+    if not (kernels if kernels is not None else _kernels(x)):
+        return [lora_delta_ref(x, y, ids, p, host_ids) for y, p in zip(F.linear(x, w, b).split(list(outs), -1), packs)]
+    xf, ids32, per_row, tiles = _flat(x, ids, None)
+    first = WRITE_FIRST
+    y = torch.empty(xf.shape[0], w.shape[0], dtype=x.dtype, device=x.device) if first else F.linear(xf, w, b)
+    c0 = 0
+    for n, p in zip(outs, packs):
+        bias = b[c0:c0 + n] if first and b is not None else None
+        lora_expand(lora_shrink(xf, ids32, p, per_row, tiles), y[:, c0:c0 + n], ids32, p, per_row, not first, bias)
+        c0 += n
+    if first:
+        y.addmm_(xf, w.t())
+    return list(y.view(*x.shape[:-1], w.shape[0]).split(list(outs), -1))

@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 import torch
 
 from flexoff.adapters.peft import Adapter
-from flexoff.kernels.lora import LoraPack, lora_delta, lora_linear
+from flexoff.kernels.lora import LoraPack, lora_delta, lora_linears
 from flexoff.offload.tiers import pinned_empty
-from flexoff.models.base import linear, materialize
+from flexoff.models.base import linear, materialize, stacked
 
 if TYPE_CHECKING:
     from flexoff.offload.lanes import Event
@@ -46,9 +46,21 @@ class LoraLinear:
         self.host_ids = host_ids  # the same adapter indices on the host, where known
 
     def linear(self, x: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        if isinstance(self.base, torch.Tensor):  # the delta first, the base matmul added onto it
-            return lora_linear(x, self.base, b, self.ids, self.pack, self.host_ids)
+        if isinstance(self.base, torch.Tensor):
+            return lora_linears(x, self.base, b, [self.base.shape[0]], self.ids, [self.pack], self.host_ids)[0]
         return lora_delta(x, linear(x, self.base, b), self.ids, self.pack, self.host_ids)
+
+    def linears(self, x: torch.Tensor, ws: Sequence[Any], bs: Sequence[torch.Tensor | None]) -> list[torch.Tensor] | None:
+        """x's projections by this and the other weights (q, k, v; gate, up) at once, where all
+        adapt plain matrices that lie stacked in memory for the same rows: one base matmul, each
+        projection's deltas in its own columns (None where they cannot go together)."""
+        if not all(isinstance(w, LoraLinear) and w.ids is self.ids for w in ws):
+            return None
+        w = stacked([t.base for t in ws])
+        b = None if all(t is None for t in bs) else stacked(bs)
+        if w is None or (b is None and any(t is not None for t in bs)):
+            return None
+        return lora_linears(x, w, b, [t.base.shape[0] for t in ws], self.ids, [t.pack for t in ws], self.host_ids)
 
     def dense(self) -> torch.Tensor:
         return materialize(self.base)

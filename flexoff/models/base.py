@@ -62,16 +62,21 @@ def linears(x: torch.Tensor, ws: Sequence[Any], bs: Sequence[torch.Tensor | None
     """[x @ w.T + b for each w, b]: several projections of one input (q, k and v; gate and up).
 
     Where the weights are plain matrices stored one after another (as a layer's buffer holds
-    them) and so are their biases, one matmul computes them all; otherwise each goes through
-    `linear`, so weight objects (compression, adapters) keep their own."""
-    w = _stacked(ws)
-    b = None if all(t is None for t in bs) else _stacked(bs)
+    them) and so are their biases, one matmul computes them all; weight objects that can take
+    several projections at once do so (their `linears`); otherwise each goes through `linear`,
+    so weight objects (compression, adapters) keep their own."""
+    together = getattr(ws[0], "linears", None)
+    got = together(x, ws, bs) if together is not None else None
+    if got is not None:
+        return got
+    w = stacked(ws)
+    b = None if all(t is None for t in bs) else stacked(bs)
     if w is None or (b is None and any(t is not None for t in bs)):
         return [linear(x, wi, bi) for wi, bi in zip(ws, bs)]
     return list(F.linear(x, w, b).split([t.shape[0] for t in ws], dim=-1))
 
 
-def _stacked(ts: Sequence[Any]) -> torch.Tensor | None:
+def stacked(ts: Sequence[Any]) -> torch.Tensor | None:
     """The tensors as one, concatenated along dim 0, if they already lie so in memory."""
     if not all(isinstance(t, torch.Tensor) and t.is_contiguous() for t in ts):
         return None

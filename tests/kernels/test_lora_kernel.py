@@ -73,18 +73,23 @@ def test_kernel_equals_reference_and_matmuls(n, s, fin, fout, ranks, ids, dtype,
                                            (20, 1, [8, 3], [0, 1, -1, 1] * 5),
                                            (3, 18, [32, 5], [-1, 1, 0])])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_writes_the_delta_then_adds_the_base(n, s, ranks, ids, bias):
-    """lora_linear_triton (delta written first, the base matmul added onto it) against the
-    matmul plus the reference's delta; rows on the base model get the plain projection."""
+@pytest.mark.parametrize("first", [True, False], ids=["delta-first", "delta-after"])
+def test_stacked_projections_with_deltas_equal_matmul_plus_reference(n, s, ranks, ids, bias, first, monkeypatch):
+    """lora_linears through the kernels (two projections stacked in one weight, each with its
+    own adapters; the deltas written first and the matmul added onto them, or added after)
+    against the matmul plus the reference's deltas; rows on the base model get the plain
+    projection."""
     torch.manual_seed(n + s)
-    fin, fout = 70, 90
-    p, _ = scattered(ranks, fin, fout, torch.float32, n)
+    fin, outs = 70, [90, 33]
+    packs = [scattered(ranks, fin, fout, torch.float32, n + i)[0] for i, fout in enumerate(outs)]
     x = torch.randn(n, s, fin, device=DEV)
-    w = torch.randn(fout, fin, device=DEV)
-    b = torch.randn(fout, device=DEV) if bias else None
+    w = torch.randn(sum(outs), fin, device=DEV)
+    b = torch.randn(sum(outs), device=DEV) if bias else None
     idx = torch.tensor(ids, dtype=torch.int32, device=DEV)
-    want = L.lora_delta_ref(x, F.linear(x, w, b), idx, p)
-    got = L.lora_linear_triton(x, w, b, idx, p)
+    want = [L.lora_delta_ref(x, y, idx, p) for y, p in zip(F.linear(x, w, b).split(outs, -1), packs)]
+    monkeypatch.setattr(L, "WRITE_FIRST", first)
+    got = L.lora_linears(x, w, b, outs, idx, packs, kernels=True)
     tol = 1e-4 if DEV == "cpu" else 2e-3
-    assert got.shape == want.shape
-    assert (got - want).abs().max() <= tol * want.abs().max()
+    for g, r in zip(got, want):
+        assert g.shape == r.shape
+        assert (g - r).abs().max() <= tol * r.abs().max()
