@@ -267,7 +267,7 @@ def kernel_part(args: argparse.Namespace, bw: float) -> list[dict[str, Any]]:
         out.append({**row("base matmul", base), "vs_base_matmul": 1.0})
         for first in (False, True):
             L.WRITE_FIRST = first
-            sec = gpu_seconds(lambda: lora_linears(x, w, None, [fout], ids, [pack]), calls)
+            sec = gpu_seconds(lambda: lora_linears(x, w, None, [fout], ids, [pack], kernels=True), calls)
             out.append({**row("delta first, matmul onto it" if first else "matmul + delta", sec),
                         "vs_base_matmul": sec / base})
         L.WRITE_FIRST = saved[2]

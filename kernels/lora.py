@@ -203,8 +203,9 @@ if HAVE_TRITON:
     @triton.jit
     def _tile_shrink(X, IDS, W, AOFF, RANK, SCALE, V, per_row, K, sx,
                      R: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-        """Prefill pass one: program (row, tile of tokens) writes x @ A.T for the tile to V
-        (float32, R lanes per token), reading each input once."""
+        """Prefill pass one: program (row, tile of tokens) writes x @ A.T for the tile to V (in
+        the compute dtype, as a matmul's output; R lanes per token, those past the rank never
+        written), reading each input once."""
         r, _, ao, toks, mm, ks, live = _tile(IDS, RANK, SCALE, AOFF, per_row, R, BM)
         if r > 0:
             acc = tl.zeros((BM, R), tl.float32)
@@ -214,20 +215,20 @@ if HAVE_TRITON:
                 x = tl.load(X + toks[:, None] * sx + c[None, :], mask=mm[:, None] & cm[None, :], other=0.0)
                 at = tl.load(W + ao + ks[None, :] * K + c[:, None], mask=live[None, :] & cm[:, None], other=0.0)
                 acc += tl.dot(x, at)
-            tl.store(V + toks[:, None] * R + ks[None, :], acc, mask=mm[:, None])
+            tl.store(V + toks[:, None] * R + ks[None, :], acc.to(V.dtype.element_ty), mask=mm[:, None] & live[None, :])
 
     @triton.jit
     def _tile_expand(Y, B, IDS, W, BOFF, RANK, SCALE, V, per_row, N, sy,
                      R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, ADD: tl.constexpr, HAS_B: tl.constexpr):
-        """Prefill pass two: program (row, tile of tokens, block of outputs) expands v (rounded
-        to the compute dtype, as two matmuls would) onto its block of y."""
+        """Prefill pass two: program (row, tile of tokens, block of outputs) expands v (lanes
+        past the rank never read) onto its block of y."""
         r, sc, bo, toks, mm, ks, live = _tile(IDS, RANK, SCALE, BOFF, per_row, R, BM)
         outs = tl.program_id(2) * BN + tl.arange(0, BN)
         om = outs < N
         ym = mm[:, None] & om[None, :]
         d = tl.zeros((BM, BN), tl.float32)
         if r > 0:
-            v = tl.load(V + toks[:, None] * R + ks[None, :], mask=mm[:, None], other=0.0).to(W.dtype.element_ty)
+            v = tl.load(V + toks[:, None] * R + ks[None, :], mask=mm[:, None] & live[None, :], other=0.0)
             bt = tl.load(W + bo + ks[:, None] * N + outs[None, :], mask=live[:, None] & om[None, :], other=0.0)
             d = tl.dot(v, bt)
         _store(Y, B, Y + toks[:, None] * sy + outs[None, :], d, outs[None, :], om[None, :], ym, r, sc, ADD, HAS_B)
@@ -235,11 +236,12 @@ if HAVE_TRITON:
 
 def lora_shrink(xf: torch.Tensor, ids: torch.Tensor, p: LoraPack, per_row: int, tiles: bool) -> torch.Tensor:
     """Pass one over x (tokens, in), rows of per_row tokens: each token's x @ A.T, as float32
-    partial sums (tokens, splits, lanes) for token-by-token rows, (tokens, lanes) for tiles."""
+    partial sums (tokens, splits, lanes) for token-by-token rows, (tokens, lanes) in the compute
+    dtype for tiles."""
     tokens, K = xf.shape
     if tiles:
         R = max(16, triton.next_power_of_2(max(p.max_rank, 1)))  # tl.dot takes 16 at least
-        v = torch.empty(tokens, R, dtype=torch.float32, device=xf.device)
+        v = torch.empty(tokens, R, dtype=p.buf.dtype, device=xf.device)
         bm, bk = _prefill_tile(R)
         _tile_shrink[(tokens // per_row, triton.cdiv(per_row, bm))](
             xf, ids, p.buf, p.a_off, p.rank, p.scale, v, per_row, K, xf.stride(0),
