@@ -40,8 +40,8 @@ from flexoff.profiler import random_adapter  # noqa: E402
 
 RANKS = (8, 16, 32, 64)
 # tilings the kernel part compares (changes to kernels.lora.DECODE for rows of one token, PREFILL for tiles)
-CONFIGS = {"decode": [{}, {"rc": 16}, {"bk": 256}, {"rc": 16, "bk": 256, "warps": 8}, {"lanes_from": 1 << 30},
-                      {"lanes_from": 1 << 30, "rc": 16, "split_bk": 128}, {"bn": 128}, {"bn": 512, "warps": 8}],
+CONFIGS = {"decode": [{}, {"lanes_from": 64}, {"lanes_from": 32}, {"split_rc": 16, "split_k": 512},
+                      {"lanes_from": 64, "split_rc": 16, "split_k": 512}, {"rc": 16}, {"bk": 256}, {"bn": 128}],
            "prefill": [{}, {"bm": 128, "warps": 8}, {"bk": 32}, {"bn": 64}, {"bn": 256, "warps": 8},
                        {"bm": 128, "bk": 32, "bn": 256, "warps": 8}]}
 SHAPES = ((4096, 4096), (4096, 11008), (11008, 4096))  # LLaMA-7B's attention, up and down projections

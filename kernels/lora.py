@@ -101,7 +101,7 @@ def lora_delta(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: LoraPack,
 # by splits of `split_k` inputs (enough programs for a few tokens; `split_rc` lanes, `split_bk`
 # inputs a step); the expand steps through the same lanes over `bn` outputs per program. Prefill rows go in tiles of `bm` tokens through
 # tl.dot: `bk` inputs per shrink step, `bn` outputs per expand program.
-DECODE = {"lanes_from": 16, "split_k": 512, "bk": 512, "split_bk": 256, "rc": 8, "split_rc": 16, "bn": 256,
+DECODE = {"lanes_from": 16, "split_k": 256, "bk": 512, "split_bk": 256, "rc": 8, "split_rc": 32, "bn": 256,
           "warps": 4}
 PREFILL = {"bm": 128, "bk": 64, "bn": 128, "warps": 8}
 WRITE_FIRST = True  # lora_linears: the deltas written first and the base matmul added onto them
