@@ -8,11 +8,13 @@ alone), so no adapter is padded to the largest rank and adapters need not sit ne
 other (the pool pages them per adapter); adding scale * (x @ A_a.T) @ B_a.T to the rows of y
 whose adapter is a (index -1: none). Two passes, as Punica and S-LoRA run them: shrink onto the
 adapter's rank (partial results kept apart and summed in a fixed order, so results do not depend
-on timing) and expand onto the outputs, added to y in place. Rows of one token (decode) go token
-by token, memory-bound: the shrink split over the inputs so a few rows still fill the GPU, both
-passes stepping through an adapter's own rank a few lanes at a time, so a rank-8 adapter costs
-what its bytes cost and not the pool's largest rank. Rows of many tokens (prefill) go in tiles
-of tokens through tl.dot: the shrink reads each input once, the expand each output once.
+on timing) and expand onto the outputs, added to y in place or (for plain base weights,
+`lora_linears`) written first with the base matmul added onto them. Rows of few tokens (decode)
+go token by token, memory-bound: the shrink by rank lanes (each program one contiguous run of
+A), or for a handful of tokens split over the inputs so they still fill the GPU; both passes
+step through an adapter's own rank a few lanes at a time, so a rank-8 adapter costs what its
+bytes cost and not the pool's largest rank. Rows of many tokens (prefill) go in tiles of tokens
+through tl.dot: the shrink reads each input once, the expand each output once.
 Does not know: where adapters come from, which rows have which adapter.
 """
 
@@ -92,15 +94,13 @@ def lora_delta(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: LoraPack,
     return lora_delta_ref(x, y, ids, p, host_ids)
 
 
-
-
-
 # Tilings (benchmarks/lora.py --parts kernel compares others on the GPU). Decode rows (fewer
 # than 16 tokens each) go token by token: a batch of `lanes_from` tokens or more shrinks by rank
 # lanes (program: `rc` lanes of one token over every input, `bk` inputs per load), a smaller one
 # by splits of `split_k` inputs (enough programs for a few tokens; `split_rc` lanes, `split_bk`
-# inputs a step); the expand steps through the same lanes over `bn` outputs per program. Prefill rows go in tiles of `bm` tokens through
-# tl.dot: `bk` inputs per shrink step, `bn` outputs per expand program.
+# inputs a step); the expand steps through the same lanes over `bn` outputs per program.
+# Prefill rows go in tiles of `bm` tokens through tl.dot: `bk` inputs per shrink step, `bn`
+# outputs per expand program.
 DECODE = {"lanes_from": 16, "split_k": 256, "bk": 512, "split_bk": 256, "rc": 8, "split_rc": 32, "bn": 256,
           "warps": 4}
 PREFILL = {"bm": 128, "bk": 64, "bn": 128, "warps": 8}
@@ -250,6 +250,8 @@ def lora_shrink(xf: torch.Tensor, ids: torch.Tensor, p: LoraPack, per_row: int, 
     c = DECODE
     lanes, rc = _lanes(tokens)
     rp = triton.cdiv(max(p.max_rank, 1), rc) * rc
+    if c["split_k"] % c["split_bk"]:  # a split's last step would reach into the next split
+        raise ValueError(f"DECODE: split_k {c['split_k']} is not a multiple of split_bk {c['split_bk']}")
     split = 1 if lanes else triton.cdiv(K, c["split_k"])
     v = torch.empty(tokens, split, rp, dtype=torch.float32, device=xf.device)
     if lanes:
