@@ -250,14 +250,14 @@ def lora_shrink(xf: torch.Tensor, ids: torch.Tensor, p: LoraPack, per_row: int, 
     c = DECODE
     lanes, rc = _lanes(tokens)
     rp = triton.cdiv(max(p.max_rank, 1), rc) * rc
-    if c["split_k"] % c["split_bk"]:  # a split's last step would reach into the next split
-        raise ValueError(f"DECODE: split_k {c['split_k']} is not a multiple of split_bk {c['split_bk']}")
     split = 1 if lanes else triton.cdiv(K, c["split_k"])
     v = torch.empty(tokens, split, rp, dtype=torch.float32, device=xf.device)
     if lanes:
         _tok_shrink_lanes[(tokens, rp // rc)](xf, ids, p.buf, p.a_off, p.rank, p.scale, v, per_row, K, xf.stride(0),
                                               rp, BK=c["bk"], RC=rc, num_warps=c["warps"])
     else:
+        if c["split_k"] % c["split_bk"]:  # a split's last step would reach into the next split
+            raise ValueError(f"DECODE: split_k {c['split_k']} is not a multiple of split_bk {c['split_bk']}")
         _tok_shrink[(tokens, split)](xf, ids, p.buf, p.a_off, p.rank, p.scale, v, per_row, K, xf.stride(0), split,
                                      rp, KS=c["split_k"], BK=c["split_bk"], RC=rc, num_warps=c["warps"])
     return v

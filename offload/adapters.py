@@ -28,7 +28,7 @@ import torch
 from flexoff.adapters.peft import Adapter
 from flexoff.kernels.lora import LoraPack, lora_delta, lora_linears
 from flexoff.offload.tiers import pinned_empty
-from flexoff.models.base import linear, materialize, stacked
+from flexoff.models.base import linear, materialize, stacked_with_bias
 
 if TYPE_CHECKING:
     from flexoff.offload.lanes import Event
@@ -56,11 +56,10 @@ class LoraLinear:
         projection's deltas in its own columns (None where they cannot go together)."""
         if not all(isinstance(w, LoraLinear) and w.ids is self.ids for w in ws):
             return None
-        w = stacked([t.base for t in ws])
-        b = None if all(t is None for t in bs) else stacked(bs)
-        if w is None or (b is None and any(t is not None for t in bs)):
+        wb = stacked_with_bias([t.base for t in ws], bs)
+        if wb is None:
             return None
-        return lora_linears(x, w, b, [t.base.shape[0] for t in ws], self.ids, [t.pack for t in ws], self.host_ids)
+        return lora_linears(x, *wb, [t.base.shape[0] for t in ws], self.ids, [t.pack for t in ws], self.host_ids)
 
     def dense(self) -> torch.Tensor:
         return materialize(self.base)

@@ -69,14 +69,24 @@ def linears(x: torch.Tensor, ws: Sequence[Any], bs: Sequence[torch.Tensor | None
     got = together(x, ws, bs) if together is not None else None
     if got is not None:
         return got
-    w = stacked(ws)
-    b = None if all(t is None for t in bs) else stacked(bs)
-    if w is None or (b is None and any(t is not None for t in bs)):
+    wb = stacked_with_bias(ws, bs)
+    if wb is None:
         return [linear(x, wi, bi) for wi, bi in zip(ws, bs)]
-    return list(F.linear(x, w, b).split([t.shape[0] for t in ws], dim=-1))
+    return list(F.linear(x, *wb).split([t.shape[0] for t in ws], dim=-1))
 
 
-def stacked(ts: Sequence[Any]) -> torch.Tensor | None:
+def stacked_with_bias(ws: Sequence[Any], bs: Sequence[torch.Tensor | None]
+                      ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The weights as one matrix and their biases as one vector (None where none has a bias),
+    if both already lie stacked in memory; None otherwise."""
+    w = _stacked(ws)
+    b = None if all(t is None for t in bs) else _stacked(bs)
+    if w is None or (b is None and any(t is not None for t in bs)):
+        return None
+    return w, b
+
+
+def _stacked(ts: Sequence[Any]) -> torch.Tensor | None:
     """The tensors as one, concatenated along dim 0, if they already lie so in memory."""
     if not all(isinstance(t, torch.Tensor) and t.is_contiguous() for t in ts):
         return None
