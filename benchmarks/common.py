@@ -1,7 +1,8 @@
 """Shared by the benchmark scripts: where and when a result was measured, JSON records, tables.
 
 Knows: the device, torch version, commit and date of a run; writing records as JSON
-lines; printing a fixed-width table. Does not know what is measured.
+lines; printing a fixed-width table; a call's GPU time without its launch overhead. Does not
+know what is measured.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
@@ -65,3 +67,21 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
     return "\n".join(lines)
+
+
+def gpu_seconds(fn: Callable[[], Any], calls: int) -> float:
+    """GPU time of one fn() from a CUDA graph of `calls` calls replayed 10 times (no launch overhead)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / (10 * calls)

@@ -1,5 +1,6 @@
 """Quantization kernels on the GPU: dequantization bandwidth against the device copy bandwidth,
-and the fused dequantize-matmul against dequantize-then-matmul at decode shapes.
+and the fused dequantize-matmul against dequantize-then-matmul at decode shapes, each call timed
+with its host work (CUDA events around eager calls) and without it (CUDA graphs).
 
     python benchmarks/kernels.py [--out benchmarks/out]
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from common import environment, table, write_jsonl
+from common import environment, gpu_seconds, table, write_jsonl
 
 
 def bench(fn, warmup: int = 25, rep: int = 100) -> float:
@@ -61,15 +62,23 @@ def main() -> int:
         d, s, m = quantize_rows(w, cfg)
         for b in (1, 8, 16, 32, 64):
             x = torch.randn(b, k, device="cuda", dtype=torch.float16)
-            fused = bench(lambda: K.qmatmul_triton(x, d, s, m, cfg, n))
-            two = bench(lambda: x @ K.dequantize_rows_triton(d, s, m, cfg, torch.float16))
-            dense = bench(lambda: x @ w)
+            def fused_call():
+                return K.qmatmul_triton(x, d, s, m, cfg, n)
+
+            def two_call():
+                return x @ K.dequantize_rows_triton(d, s, m, cfg, torch.float16)
+
+            fused, two, dense = bench(fused_call), bench(two_call), bench(lambda: x @ w)
+            # the same calls' GPU time alone (CUDA graphs: no host work per call)
+            fused_gpu, two_gpu = 1e3 * gpu_seconds(fused_call, 10), 1e3 * gpu_seconds(two_call, 10)
             rows.append({"kernel": "qmatmul fused", "shape": f"{b}x{k}x{n}", "ms": fused,
-                         "vs dequant+mm": two / fused, "vs dense fp16": dense / fused})
+                         "vs dequant+mm": two / fused, "vs dense fp16": dense / fused, "gpu ms": fused_gpu,
+                         "gpu vs dequant+mm": two_gpu / fused_gpu})
         w = d = s = m = None  # free before the next shape
     if args.tune:
         rows += tune(K, cfg, copy_bw)
-    print(table(rows, ["kernel", "shape", "ms", "GB/s", "of copy", "vs dequant+mm", "vs dense fp16", "tile"]))
+    print(table(rows, ["kernel", "shape", "ms", "GB/s", "of copy", "vs dequant+mm", "vs dense fp16", "gpu ms",
+                       "gpu vs dequant+mm", "tile"]))
     write_jsonl(args.out / "kernels.jsonl", [{**env, **r} for r in rows])
     return 0
 

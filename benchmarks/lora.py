@@ -25,25 +25,26 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import gc
+import json
 import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import cuda_missing, environment, table, write_jsonl  # noqa: E402
+from common import cuda_missing, environment, gpu_seconds, table, write_jsonl  # noqa: E402
 from flexoff.profiler import random_adapter  # noqa: E402
 
 RANKS = (8, 16, 32, 64)
 # tilings the kernel part compares (changes to kernels.lora.DECODE for rows of one token, PREFILL for tiles)
-CONFIGS = {"decode": [{}, {"lanes_from": 64}, {"lanes_from": 32}, {"split_rc": 16, "split_k": 512},
-                      {"lanes_from": 64, "split_rc": 16, "split_k": 512}, {"rc": 16}, {"bk": 256}, {"bn": 128}],
-           "prefill": [{}, {"bm": 128, "warps": 8}, {"bk": 32}, {"bn": 64}, {"bn": 256, "warps": 8},
-                       {"bm": 128, "bk": 32, "bn": 256, "warps": 8}]}
+CONFIGS = {"decode": [{}, {"erc": 16}, {"erc": 32}, {"erc": 32, "bn": 128}, {"lane_k": 1024}, {"lane_k": 2048},
+                      {"lane_k": 1024, "erc": 32}, {"bk": 1024}, {"lane_k": 2048, "erc": 32, "bn": 128},
+                      {"erc": 32, "warps": 8}, {"lane_k": 512, "erc": 32}, {"lane_k": 1024, "bk": 256, "erc": 32}],
+           "prefill": [{}]}
 SHAPES = ((4096, 4096), (4096, 11008), (11008, 4096))  # LLaMA-7B's attention, up and down projections
 
 
@@ -80,6 +81,7 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
     from throughput import parse_policy
 
     L.WRITE_FIRST = args.deltas == "first"
+    L.DECODE.update(json.loads(args.decode_tiling))
 
     g = torch.Generator().manual_seed(args.seed)
     auto = args.policy == "auto"
@@ -128,6 +130,7 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
         if not args.skip_cold:  # every adapter copied again
             runs.append(("cold", timed(m, prompts, args.gen_len, names, m.adapter_pool().drop_cache, policy=with_lora)))
         extra = {"adapters": args.adapters, "used_adapters": len(used), "mean_rank": mean_rank, "deltas": args.deltas,
+                 "decode_tiling": args.decode_tiling,
                  "policy": m.last_policy.describe(), "auto": auto, "setup_adapters_s": made,
                  "adapter_host_bytes": m.adapter_host_bytes()}
     for v, (one, full) in runs:
@@ -197,24 +200,6 @@ def peft_part(args: argparse.Namespace) -> list[dict[str, Any]]:
         peft = next(b for b in out if b["system"] == "peft" and b["variant"] == r["variant"])
         r["vs_peft"] = r["generation_throughput"] / peft["generation_throughput"]
     return out
-
-
-def gpu_seconds(fn: Callable[[], Any], calls: int) -> float:
-    """GPU time of one fn() from a CUDA graph of `calls` calls replayed 10 times (no launch overhead)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(10):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / (10 * calls)
 
 
 def kernel_part(args: argparse.Namespace, bw: float) -> list[dict[str, Any]]:
@@ -300,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-rows", type=int, default=128, help="kernel part: prefill rows of --prompt-len tokens")
     ap.add_argument("--deltas", choices=("first", "after"), default="first",
                     help="population: LoRA deltas written before the base matmul adds itself, or added after it")
+    ap.add_argument("--decode-tiling", default="{}",
+                    help='population: JSON over the LoRA kernels\' DECODE tiling, e.g. \'{"erc": 32}\'')
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out/lora.jsonl"))
     args = ap.parse_args(argv)

@@ -21,7 +21,7 @@ Does not know: where adapters come from, which rows have which adapter.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -96,13 +96,14 @@ def lora_delta(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: LoraPack,
 
 # Tilings (benchmarks/lora.py --parts kernel compares others on the GPU). Decode rows (fewer
 # than 16 tokens each) go token by token: a batch of `lanes_from` tokens or more shrinks by rank
-# lanes (program: `rc` lanes of one token over every input, `bk` inputs per load), a smaller one
-# by splits of `split_k` inputs (enough programs for a few tokens; `split_rc` lanes, `split_bk`
-# inputs a step); the expand steps through the same lanes over `bn` outputs per program.
+# lanes (program: `rc` lanes of one token over `lane_k` inputs, 0: all of them; `bk` inputs per
+# load), a smaller one by splits of `split_k` inputs (enough programs for a few tokens; every
+# lane, `split_rc` at a time, `split_bk` inputs a step); the expand steps through `erc` lanes
+# at a time (0: as the shrink did) over `bn` outputs per program.
 # Prefill rows go in tiles of `bm` tokens through tl.dot: `bk` inputs per shrink step, `bn`
 # outputs per expand program.
-DECODE = {"lanes_from": 16, "split_k": 256, "bk": 512, "split_bk": 256, "rc": 8, "split_rc": 32, "bn": 256,
-          "warps": 4}
+DECODE = {"lanes_from": 16, "lane_k": 0, "split_k": 256, "bk": 512, "split_bk": 256, "rc": 8, "split_rc": 32,
+          "erc": 0, "bn": 256, "warps": 4}
 PREFILL = {"bm": 128, "bk": 64, "bn": 128, "warps": 8}
 WRITE_FIRST = True  # lora_linears: the deltas written first and the base matmul added onto them
 
@@ -117,44 +118,29 @@ if HAVE_TRITON:
         return r, tl.load(SCALE + safe), tl.load(OFF + safe)
 
     @triton.jit
-    def _tok_shrink(X, IDS, W, AOFF, RANK, SCALE, V, per_row, K, sx, SPLIT, RP,
-                    KS: tl.constexpr, BK: tl.constexpr, RC: tl.constexpr):
-        """Decode pass one, by splits: program (token, split) writes x[split] @ A[:, split].T to
-        V, RC rank lanes at a time up to the adapter's own rank."""
-        tok, sp = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    def _tok_shrink(X, IDS, W, AOFF, RANK, SCALE, V, per_row, K, sx, SPLIT, RP, LG, KS,
+                    BK: tl.constexpr, RC: tl.constexpr):
+        """Decode pass one: program (token, group of LG rank lanes, split of KS inputs) writes
+        x[split] @ A[lanes, split].T to V, RC lanes at a time up to the adapter's own rank;
+        groups past the rank do nothing. By lanes (LG = RC): each program reads one contiguous
+        run of A; by splits (one group of every lane): a handful of tokens still fill the GPU."""
+        tok, g, sp = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
         r, _, ao = _adapter(IDS, RANK, SCALE, AOFF, tok // per_row)
-        ks = tl.arange(0, RC)
-        cols = sp * KS + tl.arange(0, BK)
-        for r0 in range(0, r, RC):
-            live = r0 + ks < r
-            acc = tl.zeros((RC, BK), tl.float32)
-            for k0 in range(0, KS, BK):
-                c = cols + k0
-                cm = c < K
-                x = tl.load(X + tok * sx + c, mask=cm, other=0.0).to(tl.float32)
-                at = tl.load(W + ao + (r0 + ks)[:, None] * K + c[None, :], mask=live[:, None] & cm[None, :], other=0.0)
-                acc += at.to(tl.float32) * x[None, :]
-            tl.store(V + (tok * SPLIT + sp) * RP + r0 + ks, tl.sum(acc, axis=1), mask=live)
-
-    @triton.jit
-    def _tok_shrink_lanes(X, IDS, W, AOFF, RANK, SCALE, V, per_row, K, sx, RP,
-                          BK: tl.constexpr, RC: tl.constexpr):
-        """Decode pass one, by lanes: program (token, RC rank lanes) writes x @ A[lanes].T to V,
-        reading those lanes' rows of A (one contiguous run of memory) over every input;
-        programs past the adapter's rank do nothing."""
-        tok, r0 = tl.program_id(0).to(tl.int64), tl.program_id(1) * RC
-        r, _, ao = _adapter(IDS, RANK, SCALE, AOFF, tok // per_row)
-        if r0 < r:
-            ks = r0 + tl.arange(0, RC)
-            live = ks < r
-            acc = tl.zeros((RC, BK), tl.float32)
-            for k0 in range(0, K, BK):
-                c = k0 + tl.arange(0, BK)
-                cm = c < K
-                x = tl.load(X + tok * sx + c, mask=cm, other=0.0).to(tl.float32)
-                at = tl.load(W + ao + ks[:, None] * K + c[None, :], mask=live[:, None] & cm[None, :], other=0.0)
-                acc += at.to(tl.float32) * x[None, :]
-            tl.store(V + tok * RP + ks, tl.sum(acc, axis=1), mask=live)
+        lo = g * LG
+        if lo < r:
+            ks = tl.arange(0, RC)
+            cols = sp * KS + tl.arange(0, BK)
+            for r0 in range(lo, tl.minimum(r, lo + LG), RC):
+                live = r0 + ks < r
+                acc = tl.zeros((RC, BK), tl.float32)
+                for k0 in range(0, KS, BK):
+                    c = cols + k0
+                    cm = c < K
+                    x = tl.load(X + tok * sx + c, mask=cm, other=0.0).to(tl.float32)
+                    at = tl.load(W + ao + (r0 + ks)[:, None] * K + c[None, :], mask=live[:, None] & cm[None, :],
+                                 other=0.0)
+                    acc += at.to(tl.float32) * x[None, :]
+                tl.store(V + (tok * SPLIT + sp) * RP + r0 + ks, tl.sum(acc, axis=1), mask=live)
 
     @triton.jit
     def _store(Y, B, ptr, d, outs, om, mask, r, sc, ADD: tl.constexpr, HAS_B: tl.constexpr):
@@ -181,14 +167,14 @@ if HAVE_TRITON:
         ks, ss = tl.arange(0, RC), tl.arange(0, SP)
         outs = nb * BN + tl.arange(0, BN)
         om = outs < N
-        acc = tl.zeros((RC, BN), tl.float32)
+        acc = tl.zeros((BN,), tl.float32)
         for r0 in range(0, r, RC):
             live = r0 + ks < r
             v = tl.sum(tl.load(V + (tok * SPLIT + ss[:, None]) * RP + r0 + ks[None, :],
                                mask=(ss < SPLIT)[:, None] & live[None, :], other=0.0), axis=0)
             bt = tl.load(W + bo + (r0 + ks)[:, None] * N + outs[None, :], mask=live[:, None] & om[None, :], other=0.0)
-            acc += v[:, None] * bt.to(tl.float32)
-        _store(Y, B, Y + tok * sy + outs, tl.sum(acc, axis=0), outs, om, om, r, sc, ADD, HAS_B)
+            acc += tl.sum(v[:, None] * bt.to(tl.float32), axis=0)
+        _store(Y, B, Y + tok * sy + outs, acc, outs, om, om, r, sc, ADD, HAS_B)
 
     @triton.jit
     def _tile(IDS, RANK, SCALE, OFF, per_row, R: tl.constexpr, BM: tl.constexpr):
@@ -247,19 +233,11 @@ def lora_shrink(xf: torch.Tensor, ids: torch.Tensor, p: LoraPack, per_row: int, 
             xf, ids, p.buf, p.a_off, p.rank, p.scale, v, per_row, K, xf.stride(0),
             R=R, BM=bm, BK=bk, num_warps=PREFILL["warps"])
         return v
-    c = DECODE
-    lanes, rc = _lanes(tokens)
-    rp = triton.cdiv(max(p.max_rank, 1), rc) * rc
-    split = 1 if lanes else triton.cdiv(K, c["split_k"])
-    v = torch.empty(tokens, split, rp, dtype=torch.float32, device=xf.device)
-    if lanes:
-        _tok_shrink_lanes[(tokens, rp // rc)](xf, ids, p.buf, p.a_off, p.rank, p.scale, v, per_row, K, xf.stride(0),
-                                              rp, BK=c["bk"], RC=rc, num_warps=c["warps"])
-    else:
-        if c["split_k"] % c["split_bk"]:  # a split's last step would reach into the next split
-            raise ValueError(f"DECODE: split_k {c['split_k']} is not a multiple of split_bk {c['split_bk']}")
-        _tok_shrink[(tokens, split)](xf, ids, p.buf, p.a_off, p.rank, p.scale, v, per_row, K, xf.stride(0), split,
-                                     rp, KS=c["split_k"], BK=c["split_bk"], RC=rc, num_warps=c["warps"])
+    t = _decode_tiling(tokens, K, p.max_rank)
+    v = torch.empty(tokens, t.splits, t.rp, dtype=torch.float32, device=xf.device)
+    _tok_shrink[(tokens, t.rp // t.lg, t.splits)](xf, ids, p.buf, p.a_off, p.rank, p.scale, v, per_row, K,
+                                                   xf.stride(0), t.splits, t.rp, t.lg, t.ks, BK=t.bk, RC=t.rc,
+                                                   num_warps=DECODE["warps"])
     return v
 
 
@@ -279,9 +257,10 @@ def lora_expand(v: torch.Tensor, yf: torch.Tensor, ids: torch.Tensor, p: LoraPac
         return yf
     c = DECODE
     split, rp = v.shape[1], v.shape[2]
+    rc = c["erc"] or _decode_tiling(tokens, 1, 1).rc
     _tok_expand[(tokens, triton.cdiv(N, c["bn"]))](yf, b, ids, p.buf, p.b_off, p.rank, p.scale, v, per_row, N,
                                                    yf.stride(0), split, rp, SP=triton.next_power_of_2(split),
-                                                   BN=c["bn"], RC=_lanes(tokens)[1], ADD=add, HAS_B=bias is not None,
+                                                   BN=c["bn"], RC=rc, ADD=add, HAS_B=bias is not None,
                                                    num_warps=c["warps"])
     return yf
 
@@ -292,10 +271,28 @@ def _prefill_tile(R: int) -> tuple[int, int]:
     return (c["bm"], c["bk"]) if R <= 64 else (c["bm"] // 2, c["bk"] // 2)
 
 
-def _lanes(tokens: int) -> tuple[bool, int]:
-    """Whether a decode batch of this many tokens shrinks by rank lanes, and the lanes a step takes."""
-    lanes = tokens >= DECODE["lanes_from"]
-    return lanes, DECODE["rc" if lanes else "split_rc"]
+class _Decode(NamedTuple):
+    """A decode shrink's tiling: rank lanes per program (lg) and per step (rc), lanes in V (rp),
+    inputs per program (ks) and per load (bk), and the splits of the input."""
+    lg: int
+    rc: int
+    rp: int
+    ks: int
+    bk: int
+    splits: int
+
+
+def _decode_tiling(tokens: int, K: int, max_rank: int) -> _Decode:
+    """By rank lanes for `lanes_from` tokens or more (a program per rc lanes, over lane_k
+    inputs), else by splits of the input (a program per split, over every lane)."""
+    c = DECODE
+    lanes = tokens >= c["lanes_from"]
+    rc, bk = (c["rc"], c["bk"]) if lanes else (c["split_rc"], c["split_bk"])
+    rp = triton.cdiv(max(max_rank, 1), rc) * rc
+    ks = (c["lane_k"] if lanes else c["split_k"]) or triton.cdiv(K, bk) * bk
+    if ks % bk:  # a program's last step would reach into the next split
+        raise ValueError(f"DECODE: {'lane_k' if lanes else 'split_k'} {ks} is not a multiple of its step {bk}")
+    return _Decode(rc if lanes else rp, rc, rp, ks, bk, triton.cdiv(K, ks))
 
 
 def _flat(x: torch.Tensor, ids: torch.Tensor, tiles: bool | None) -> tuple[torch.Tensor, torch.Tensor, int, bool]:

@@ -93,3 +93,25 @@ def test_stacked_projections_with_deltas_equal_matmul_plus_reference(n, s, ranks
     for g, r in zip(got, want):
         assert g.shape == r.shape
         assert (g - r).abs().max() <= tol * r.abs().max()
+
+
+@pytest.mark.parametrize("tiling", [{"lane_k": 128, "bk": 64}, {"lane_k": 64, "bk": 64, "erc": 32},
+                                    {"erc": 16, "bn": 32}, {"lanes_from": 1, "lane_k": 256, "bk": 128, "erc": 64},
+                                    {"lanes_from": 64, "split_k": 128, "split_bk": 64, "erc": 8}],
+                         ids=["lane-splits", "lane-splits-wide-expand", "expand-16", "lanes-for-few", "splits"])
+def test_decode_tilings_equal_reference(tiling, monkeypatch):
+    """Every decode tiling the benchmark may pick (rank lanes over splits of the input, expands
+    stepping more lanes than the shrink, splits for a few tokens) gives the reference's deltas;
+    a split that is not a whole number of steps is refused."""
+    monkeypatch.setattr(L, "DECODE", {**L.DECODE, **tiling})
+    ranks, ids = [8, 16, 3, 64, 0], [0, 1, 2, -1, 3, 4, 3, 1] * 3
+    p, _ = scattered(ranks, 300, 70, torch.float32, 5)
+    x = torch.randn(len(ids), 1, 300, device=DEV)
+    y = torch.randn(len(ids), 1, 70, device=DEV)
+    idx = torch.tensor(ids, dtype=torch.int32, device=DEV)
+    want = L.lora_delta_ref(x, y.clone(), idx, p)
+    got = L.lora_delta_triton(x, y.clone(), idx, p, tiles=False)
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+    monkeypatch.setattr(L, "DECODE", {**L.DECODE, "lane_k": 100, "split_k": 100})
+    with pytest.raises(ValueError, match="not a multiple"):
+        L.lora_delta_triton(x, y.clone(), idx, p, tiles=False)
