@@ -85,7 +85,8 @@ def main() -> int:
 
 def tune(K, cfg, copy_bw: float) -> list[dict]:
     """Sweep tile sizes of the two 4-bit kernels; the best of each is printed (set it as the default
-    in flexoff/kernels/quant.py)."""
+    in flexoff/kernels/quant.py). The fused matmul's tiles by GPU time (CUDA graphs), against
+    dequantize-then-matmul timed the same way."""
     from flexoff.quant.format import quantize_rows
 
     out = []
@@ -100,18 +101,18 @@ def tune(K, cfg, copy_bw: float) -> list[dict]:
                 out.append({"kernel": "tune dequantize", "shape": "16384x16384", "ms": ms, "GB/s": moved / ms / 1e6,
                             "of copy": moved / ms / 1e6 / copy_bw, "tile": tile})
     del x
-    for k, n in [(7168, 28672), (28672, 7168)]:
+    for k, n in [(7168, 7168), (7168, 28672), (28672, 7168)]:
         w = torch.randn(k, n, device="cuda", dtype=torch.float16)
         d, s, m = quantize_rows(w, cfg)
         for b in (1, 32):
             xx = torch.randn(b, k, device="cuda", dtype=torch.float16)
-            two = bench(lambda: xx @ K.dequantize_rows_triton(d, s, m, cfg, torch.float16), 10, 50)
+            two = 1e3 * gpu_seconds(lambda: xx @ K.dequantize_rows_triton(d, s, m, cfg, torch.float16), 10)
             for HB in (32, 64, 128):
                 for BK in (32, 64, 128):
                     for waves in (2, 4, 8):
                         for stages in (2, 4):
                             tile = {"HB": HB, "BK": BK, "waves": waves, "num_stages": stages, "num_warps": 4}
-                            ms = bench(lambda: K.qmatmul_triton(xx, d, s, m, cfg, n, **tile), 10, 50)
+                            ms = 1e3 * gpu_seconds(lambda: K.qmatmul_triton(xx, d, s, m, cfg, n, **tile), 10)
                             out.append({"kernel": "tune qmatmul", "shape": f"{b}x{k}x{n}", "ms": ms,
                                         "GB/s": d.numel() * 1.125 / ms / 1e6, "vs dequant+mm": two / ms, "tile": tile})
         del w
