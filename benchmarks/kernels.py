@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -23,6 +24,18 @@ def bench(fn, warmup: int = 25, rep: int = 100) -> float:
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def host_ms(fn, calls: int = 50) -> float:
+    """Milliseconds of host time per call: calls enqueued back to back, before the GPU is awaited."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sec = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return 1e3 * sec / calls
 
 
 def main() -> int:
@@ -73,12 +86,13 @@ def main() -> int:
             fused_gpu, two_gpu = 1e3 * gpu_seconds(fused_call, 10), 1e3 * gpu_seconds(two_call, 10)
             rows.append({"kernel": "qmatmul fused", "shape": f"{b}x{k}x{n}", "ms": fused,
                          "vs dequant+mm": two / fused, "vs dense fp16": dense / fused, "gpu ms": fused_gpu,
-                         "gpu vs dequant+mm": two_gpu / fused_gpu})
+                         "gpu vs dequant+mm": two_gpu / fused_gpu, "host ms": host_ms(fused_call),
+                         "host ms dequant+mm": host_ms(two_call)})
         w = d = s = m = None  # free before the next shape
     if args.tune:
         rows += tune(K, cfg, copy_bw)
     print(table(rows, ["kernel", "shape", "ms", "GB/s", "of copy", "vs dequant+mm", "vs dense fp16", "gpu ms",
-                       "gpu vs dequant+mm", "tile"]))
+                       "gpu vs dequant+mm", "host ms", "host ms dequant+mm", "tile"]))
     write_jsonl(args.out / "kernels.jsonl", [{**env, **r} for r in rows])
     return 0
 

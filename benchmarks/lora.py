@@ -41,10 +41,7 @@ from flexoff.profiler import random_adapter  # noqa: E402
 
 RANKS = (8, 16, 32, 64)
 # tilings the kernel part compares (changes to kernels.lora.DECODE for rows of one token, PREFILL for tiles)
-CONFIGS = {"decode": [{}, {"erc": 16}, {"erc": 32}, {"erc": 32, "bn": 128}, {"lane_k": 1024}, {"lane_k": 2048},
-                      {"lane_k": 1024, "erc": 32}, {"bk": 1024}, {"lane_k": 2048, "erc": 32, "bn": 128},
-                      {"erc": 32, "warps": 8}, {"lane_k": 512, "erc": 32}, {"lane_k": 1024, "bk": 256, "erc": 32}],
-           "prefill": [{}]}
+CONFIGS = {"decode": [{}, {"lane_k": 2048}], "prefill": [{}]}
 SHAPES = ((4096, 4096), (4096, 11008), (11008, 4096))  # LLaMA-7B's attention, up and down projections
 
 
@@ -81,6 +78,7 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
     from throughput import parse_policy
 
     L.WRITE_FIRST = args.deltas == "first"
+    L.SIDE_STREAM = args.side_stream == "on"
     L.DECODE.update(json.loads(args.decode_tiling))
 
     g = torch.Generator().manual_seed(args.seed)
@@ -130,7 +128,7 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
         if not args.skip_cold:  # every adapter copied again
             runs.append(("cold", timed(m, prompts, args.gen_len, names, m.adapter_pool().drop_cache, policy=with_lora)))
         extra = {"adapters": args.adapters, "used_adapters": len(used), "mean_rank": mean_rank, "deltas": args.deltas,
-                 "decode_tiling": args.decode_tiling,
+                 "decode_tiling": args.decode_tiling, "side_stream": args.side_stream,
                  "policy": m.last_policy.describe(), "auto": auto, "setup_adapters_s": made,
                  "adapter_host_bytes": m.adapter_host_bytes()}
     for v, (one, full) in runs:
@@ -212,7 +210,7 @@ def kernel_part(args: argparse.Namespace, bw: float) -> list[dict[str, Any]]:
     from flexoff.kernels.lora import LoraPack, lora_delta_triton, lora_linears, lora_shrink
 
     g = torch.Generator().manual_seed(args.seed)
-    out, saved = [], (dict(L.DECODE), dict(L.PREFILL), L.WRITE_FIRST)
+    out, saved = [], (dict(L.DECODE), dict(L.PREFILL), L.WRITE_FIRST, L.SIDE_STREAM)
     cases = [(int(n), 1, shape, rk) for n in str(args.rows).split(",") for shape in SHAPES
              for rk in ("16", "64", "mixed")]
     cases += [(args.prefill_rows, args.prompt_len, shape, "mixed") for shape in SHAPES]
@@ -250,12 +248,13 @@ def kernel_part(args: argparse.Namespace, bw: float) -> list[dict[str, Any]]:
                        buf.numel() * fin // (fin + fout) * 2 + x.numel() * 2))
         base = gpu_seconds(lambda: torch.nn.functional.linear(x, w), calls)
         out.append({**row("base matmul", base), "vs_base_matmul": 1.0})
-        for first in (False, True):
-            L.WRITE_FIRST = first
+        modes = [("matmul + delta", False, False), ("delta first, matmul onto it", True, False)]
+        modes += [("delta beside on a stream of its own", True, True)] if s == 1 else []
+        for name, first, side in modes:
+            L.WRITE_FIRST, L.SIDE_STREAM = first, side
             sec = gpu_seconds(lambda: lora_linears(x, w, None, [fout], ids, [pack], kernels=True), calls)
-            out.append({**row("delta first, matmul onto it" if first else "matmul + delta", sec),
-                        "vs_base_matmul": sec / base})
-        L.WRITE_FIRST = saved[2]
+            out.append({**row(name, sec), "vs_base_matmul": sec / base})
+        L.WRITE_FIRST, L.SIDE_STREAM = saved[2], saved[3]
         del buf, x, y, w
     L.DECODE.update(saved[0])
     L.PREFILL.update(saved[1])
@@ -285,8 +284,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prefill-rows", type=int, default=128, help="kernel part: prefill rows of --prompt-len tokens")
     ap.add_argument("--deltas", choices=("first", "after"), default="first",
                     help="population: LoRA deltas written before the base matmul adds itself, or added after it")
+    ap.add_argument("--side-stream", choices=("on", "off"), default="on",
+                    help="population: decode deltas on a stream of their own beside the base matmul, or not")
     ap.add_argument("--decode-tiling", default="{}",
-                    help='population: JSON over the LoRA kernels\' DECODE tiling, e.g. \'{"erc": 32}\'')
+                    help='population: JSON over the LoRA kernels\' DECODE tiling, e.g. \'{"lane_k": 2048}\'')
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out/lora.jsonl"))
     args = ap.parse_args(argv)

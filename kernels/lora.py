@@ -98,14 +98,15 @@ def lora_delta(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: LoraPack,
 # than 16 tokens each) go token by token: a batch of `lanes_from` tokens or more shrinks by rank
 # lanes (program: `rc` lanes of one token over `lane_k` inputs, 0: all of them; `bk` inputs per
 # load), a smaller one by splits of `split_k` inputs (enough programs for a few tokens; every
-# lane, `split_rc` at a time, `split_bk` inputs a step); the expand steps through `erc` lanes
-# at a time (0: as the shrink did) over `bn` outputs per program.
+# lane, `split_rc` at a time, `split_bk` inputs a step); the expand steps through the shrink's
+# lanes over `bn` outputs per program.
 # Prefill rows go in tiles of `bm` tokens through tl.dot: `bk` inputs per shrink step, `bn`
 # outputs per expand program.
 DECODE = {"lanes_from": 16, "lane_k": 0, "split_k": 256, "bk": 512, "split_bk": 256, "rc": 8, "split_rc": 32,
-          "erc": 0, "bn": 256, "warps": 4}
+          "bn": 256, "warps": 4}
 PREFILL = {"bm": 128, "bk": 64, "bn": 128, "warps": 8}
 WRITE_FIRST = True  # lora_linears: the deltas written first and the base matmul added onto them
+SIDE_STREAM = True  # lora_linears, decode rows on CUDA: deltas beside the base matmul on a stream of their own
 
 
 if HAVE_TRITON:
@@ -257,7 +258,7 @@ def lora_expand(v: torch.Tensor, yf: torch.Tensor, ids: torch.Tensor, p: LoraPac
         return yf
     c = DECODE
     split, rp = v.shape[1], v.shape[2]
-    rc = c["erc"] or _decode_tiling(tokens, 1, 1).rc
+    rc = _decode_tiling(tokens, 1, 1).rc
     _tok_expand[(tokens, triton.cdiv(N, c["bn"]))](yf, b, ids, p.buf, p.b_off, p.rank, p.scale, v, per_row, N,
                                                    yf.stride(0), split, rp, SP=triton.next_power_of_2(split),
                                                    BN=c["bn"], RC=rc, ADD=add, HAS_B=bias is not None,
@@ -319,20 +320,49 @@ def lora_linears(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, outs:
                  kernels: bool | None = None) -> list[torch.Tensor]:
     """x @ w.T + b for projections stacked in w (`outs`: their widths; one, or q, k and v, or
     gate and up), each plus its rows' deltas from its own pack: one base matmul for all. With
-    the kernels (where `_kernels` says, or `kernels` forces them) and WRITE_FIRST, the expands
-    write scale * v @ B.T + b into each projection's columns and the base matmul adds itself
-    onto them (cuBLAS reads them in its epilogue), so y is read and written once less than by
-    a matmul and then in-place deltas; without WRITE_FIRST the deltas are added after."""
+    the kernels (where `_kernels` says, or `kernels` forces them): decode rows on a CUDA device
+    with SIDE_STREAM compute the deltas on a stream of their own while the base matmul runs
+    (neither fills the GPU's memory bandwidth alone at decode sizes) and add them after; other
+    rows with WRITE_FIRST have the expands write scale * v @ B.T + b into each projection's
+    columns and the base matmul add itself onto them (cuBLAS reads them in its epilogue), so y
+    is read and written once less than by a matmul and then in-place deltas; without
+    WRITE_FIRST the deltas are added after."""
     if not (kernels if kernels is not None else _kernels(x)):
         return [lora_delta_ref(x, y, ids, p, host_ids) for y, p in zip(F.linear(x, w, b).split(list(outs), -1), packs)]
     xf, ids32, per_row, tiles = _flat(x, ids, None)
-    first = WRITE_FIRST
-    y = torch.empty(xf.shape[0], w.shape[0], dtype=x.dtype, device=x.device) if first else F.linear(xf, w, b)
-    c0 = 0
-    for n, p in zip(outs, packs):
-        bias = b[c0:c0 + n] if first and b is not None else None
-        lora_expand(lora_shrink(xf, ids32, p, per_row, tiles), y[:, c0:c0 + n], ids32, p, per_row, not first, bias)
-        c0 += n
-    if first:
+
+    def deltas(y: torch.Tensor, add: bool, bias: torch.Tensor | None) -> None:
+        c0 = 0
+        for n, p in zip(outs, packs):
+            lora_expand(lora_shrink(xf, ids32, p, per_row, tiles), y[:, c0:c0 + n], ids32, p, per_row, add,
+                        bias[c0:c0 + n] if bias is not None else None)
+            c0 += n
+
+    if SIDE_STREAM and not tiles and xf.is_cuda:
+        main = torch.cuda.current_stream(xf.device)
+        side = _side_stream(main)
+        d = torch.empty(xf.shape[0], w.shape[0], dtype=x.dtype, device=x.device)  # on main: freed after the join
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            deltas(d, False, None)
+        y = F.linear(xf, w, b)
+        main.wait_stream(side)
+        y += d
+    elif WRITE_FIRST:
+        y = torch.empty(xf.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+        deltas(y, False, b)
         y.addmm_(xf, w.t())
+    else:
+        y = F.linear(xf, w, b)
+        deltas(y, True, None)
     return list(y.view(*x.shape[:-1], w.shape[0]).split(list(outs), -1))
+
+
+_SIDE: dict[int, "torch.cuda.Stream"] = {}
+
+
+def _side_stream(main: "torch.cuda.Stream") -> "torch.cuda.Stream":
+    """The stream beside `main` that decode deltas run on (one per stream that computes)."""
+    if main.cuda_stream not in _SIDE:
+        _SIDE[main.cuda_stream] = torch.cuda.Stream(main.device)
+    return _SIDE[main.cuda_stream]

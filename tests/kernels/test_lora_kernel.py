@@ -95,14 +95,14 @@ def test_stacked_projections_with_deltas_equal_matmul_plus_reference(n, s, ranks
         assert (g - r).abs().max() <= tol * r.abs().max()
 
 
-@pytest.mark.parametrize("tiling", [{"lane_k": 128, "bk": 64}, {"lane_k": 64, "bk": 64, "erc": 32},
-                                    {"erc": 16, "bn": 32}, {"lanes_from": 1, "lane_k": 256, "bk": 128, "erc": 64},
-                                    {"lanes_from": 64, "split_k": 128, "split_bk": 64, "erc": 8}],
-                         ids=["lane-splits", "lane-splits-wide-expand", "expand-16", "lanes-for-few", "splits"])
+@pytest.mark.parametrize("tiling", [{"lane_k": 128, "bk": 64}, {"lane_k": 64, "bk": 64, "rc": 32, "bn": 32},
+                                    {"lanes_from": 1, "lane_k": 256, "bk": 128, "rc": 16},
+                                    {"lanes_from": 64, "split_k": 128, "split_bk": 64, "split_rc": 8}],
+                         ids=["lane-splits", "lane-splits-wide", "lanes-for-few", "splits"])
 def test_decode_tilings_equal_reference(tiling, monkeypatch):
-    """Every decode tiling the benchmark may pick (rank lanes over splits of the input, expands
-    stepping more lanes than the shrink, splits for a few tokens) gives the reference's deltas;
-    a split that is not a whole number of steps is refused."""
+    """Every decode tiling the benchmark may pick (rank lanes over splits of the input, wide
+    lane steps, splits for a few tokens) gives the reference's deltas; a split that is not a
+    whole number of steps is refused."""
     monkeypatch.setattr(L, "DECODE", {**L.DECODE, **tiling})
     ranks, ids = [8, 16, 3, 64, 0], [0, 1, 2, -1, 3, 4, 3, 1] * 3
     p, _ = scattered(ranks, 300, 70, torch.float32, 5)
