@@ -22,6 +22,7 @@ Names follow the FlexGen paper:
 | ctog_bdw, gtoc_bdw, dtoc_bdw, ctod_bdw | CPU->GPU, GPU->CPU, disk->CPU, CPU->disk bandwidths |
 | mm_flops, bmm_flops | GPU matmul and batched-matmul FLOP/s (p: prefill shapes, g: decode) |
 | cpu_flops, cpu_attn_bdw | CPU attention FLOP/s, and the KV bytes/s it reads |
+| cpu_mem_bdw | host memory bytes/s that the link's copies and CPU attention's reads share (decode pairs with CPU attention; not in FlexGen) |
 | ctog, gtoc, dtoc, ctod, comp | a layer's seconds of each transfer, and of compute |
 | host, host_step_s, lora_host_step_s | a layer's seconds of host work: one engine step per GPU batch, and what LoRA adds to a step (not in FlexGen) |
 | lora_W, lora_F | LoRA: bytes of the adapters a block uses on every linear, and delta FLOPs per token (not in FlexGen); held on the GPU beside resident weights, else paged with each layer's weights (link traffic, a page per weight slot); every adapter of the job also in host memory |
@@ -40,6 +41,9 @@ from flexoff.policy.policy import GPU_RESERVE, cache_slots, weight_slots
 from flexoff.quant.sizes import kv_config, kv_record_bytes, layer_bytes, weight_config
 
 VARS = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd")
+# the largest share of a decode that the engine's CPU attention lane was busy where it bound
+# (0.88-0.89: OPT-30B, 12x6 and 24x3 with the whole cache in CPU memory, H200; RESULTS.md)
+CPU_LANE_SHARE = 0.9
 KINDS = ("embed", "attn", "mlp", "head")
 
 
@@ -121,6 +125,9 @@ class CostModel:
         # with CPU attention the engine loads an attention layer's disk rows while the MLP layer
         # before it runs (a ring of cache slots): their reads are priced over the (attn, mlp) pair
         self.cache_ahead = choice.cpu_cache_compute and choice.overlap and self.count["attn"] == self.count["mlp"] > 0
+        # and with several GPU batches, one batch's CPU attention runs beside the GPU work and
+        # copies of the next: it is priced over the pair too
+        self.cpu_pooled = self.cache_ahead and choice.num_gpu_batches > 1
         # LoRA: the adapters a block uses, of the mean rank; each row's delta FLOPs per token
         used, mean = lora_per_block(work, choice.bls)
         width = {k: spec.lora_width(first[k]) if first[k] is not None else 0 for k in KINDS}
@@ -189,9 +196,8 @@ class CostModel:
                     if cpu_attn:  # q and new k, v go down; the output comes back
                         t["gtoc"] += x["cc"] * bls * (self.Q + self.kv_dense) / hw.gtoc_bdw_hidden
                         t["ctog"] += x["cc"] * bls * self.Q / hw.ctog_bdw
-                        cpu = x["cc"] * bls * ctx * self.kv / hw.cpu_attn_bdw
-                        if ch.compress_cache:
-                            cpu += x["cc"] * bls * ctx * self.kv_dense / hw.cpu_dequant_bdw
+                        if not self.cpu_pooled:  # else over the pair of layers (cache_pool)
+                            cpu = self.cpu_attention(x)[1]
                 # the schedule's own work per step, and what LoRA adds to it (wrapping, launches)
                 t["host"] = ch.num_gpu_batches * (hw.host_step_s + (hw.lora_host_step_s if self.lora_F[k] else 0.0))
                 if ch.num_gpu_batches > 1:  # CPU attention of one batch overlaps the next's GPU work
@@ -201,22 +207,40 @@ class CostModel:
                 out[(stage, k)] = t
         return out
 
+    def cpu_attention(self, x: Mapping[str, Any]) -> tuple[Any, Any]:
+        """Decode CPU attention of one attention layer: the cache bytes it reads, and its seconds."""
+        hw, bls, ctx = self.hw, self.ch.bls, self.work.prompt_len + self.work.gen_len / 2
+        read = x["cc"] * bls * ctx * self.kv
+        sec = read / hw.cpu_attn_bdw
+        if self.ch.compress_cache:
+            sec += x["cc"] * bls * ctx * self.kv_dense / hw.cpu_dequant_bdw
+        return read, sec
+
     def cache_pool(self, x: Mapping[str, Any],
                    terms: Mapping[tuple[str, str], Mapping[str, Any]]) -> dict[str, Any]:
-        """Decode's transfers that an (attn, mlp) pair of layers shares, by term: seconds the pair
-        keeps the disk and the link busy, its own layers' bytes and the attention layer's staged
-        cache rows (read from disk and copied to the GPU while either layer runs). The pair takes
-        at least that long. Empty where the engine does not load cache rows ahead. (CPU attention
-        stays priced per attention layer: pricing it over the pair too, with host memory shared by
-        the link and the CPU, predicted the policies it rated best at 0.85 on the H200, and ranked
-        a slower one first; benchmarks/RESULTS.md.)"""
+        """Decode's work that an (attn, mlp) pair of layers shares, by term; the pair takes at
+        least as long as each. Where the engine loads cache rows ahead (CPU attention, overlap
+        on): the seconds the pair keeps the link and the disk busy, its own layers' bytes and
+        the attention layer's staged cache rows (read from disk and copied to the GPU while
+        either layer runs); the attention layer's CPU attention, which runs beside the next
+        layer's GPU work and copies when the block has several GPU batches (`cpu_comp`; the
+        lane waits for each batch's queries, so it is busy CPU_LANE_SHARE of the pair at most); and
+        host memory (`cpu_mem`), which the link's copies out of it and CPU attention's reads
+        share: on the H200 machine that sum, at the profile's `cpu_mem_bdw`, is what OPT-30B's
+        CPU-attention policies decode at (benchmarks/RESULTS.md). Empty where rows are not
+        loaded ahead."""
         if not self.cache_ahead:
             return {}
         hw, bls, ctx = self.hw, self.ch.bls, self.work.prompt_len + self.work.gen_len / 2
         rows = x["cd"] * bls * ctx * self.kv
         attn, mlp = terms[("g", "attn")], terms[("g", "mlp")]
-        return {"ctog": attn["ctog"] + mlp["ctog"] + rows / hw.ctog_bdw,
-                "dtoc": attn["dtoc"] + mlp["dtoc"] + rows / hw.dtoc_bdw}
+        link = attn["ctog"] + mlp["ctog"] + rows / hw.ctog_bdw
+        read, sec = self.cpu_attention(x)
+        out = {"ctog": link, "dtoc": attn["dtoc"] + mlp["dtoc"] + rows / hw.dtoc_bdw,
+               "cpu_mem": (link * hw.ctog_bdw + read) / hw.cpu_mem_bdw}
+        if self.cpu_pooled:
+            out["cpu_comp"] = sec / CPU_LANE_SHARE
+        return out
 
     def pooled_traffic(self, x: Mapping[str, Any]) -> Any:
         """Seconds of transfers per decode pair that cache_pool adds to the layers' own terms."""

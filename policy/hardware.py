@@ -51,7 +51,7 @@ class Hardware:
     bmm_flops_g: float  # ... at decode shapes
     cpu_flops: float  # FLOP/s of CPU attention (FlexGen's constant)
     cpu_attn_bdw: float  # bytes/s of KV cache that CPU attention reads
-    cpu_mem_bdw: float  # bytes/s of a host memcpy, read plus write (for bounds)
+    cpu_mem_bdw: float  # bytes/s of a host memcpy, read plus write: what link copies and CPU attention share
     dequant_bdw: float  # bytes/s of dense output of 4-bit dequantization on the device
     cpu_dequant_bdw: float  # ... on the CPU (CPU attention over a compressed cache)
     host_step_s: float = 0.0  # seconds of host work per engine step (one layer of one GPU batch)

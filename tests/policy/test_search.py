@@ -259,3 +259,48 @@ def test_whole_rows_rounded_to_the_faster_neighbour():
         assert m <= getattr(budget, name)
     rows = [p * 24 / 100 for p in (cand.policy.cache_gpu_percent, cand.policy.cache_cpu_percent)]
     assert all(abs(r - round(r)) < 1e-9 for r in rows)
+
+
+def test_cpu_attention_is_priced_over_the_attention_and_mlp_pair():
+    """With CPU attention and several GPU batches, a decode (attn, mlp) pair takes at least the
+    host memory that the link's copies out of it and CPU attention's cache reads move, at the
+    profile's cpu_mem_bdw, and at least the CPU attention over the lane's busy share; neither is
+    added to the attention layer alone. The bytes come from transformers' own OPT decoder layer
+    (weights all in CPU memory, the cache all in CPU memory), not from the cost model."""
+    import dataclasses
+    from pathlib import Path
+
+    import torch
+    from transformers import OPTConfig
+    from transformers.models.opt.modeling_opt import OPTDecoderLayer
+
+    from flexoff.policy.cost_model import CPU_LANE_SHARE
+    from flexoff.policy.hardware import load
+
+    s = spec("opt-30b")
+    hw = load(str(Path(__file__).parents[2] / "benchmarks" / "data" / "h200-measured.json"))
+    cfg = OPTConfig(hidden_size=s.hidden_size, ffn_dim=s.intermediate_size, num_attention_heads=s.num_heads,
+                    enable_bias=True)
+    with torch.device("meta"):
+        layer_bytes = 2 * sum(p.numel() for p in OPTDecoderLayer(cfg).parameters())
+    gbs, k, n = 24, 3, W512.gen_len
+    bls, ctx, layers = gbs * k, W512.prompt_len + n / 2, s.num_layers
+    x = {"wg": 0.0, "wc": 1.0, "wd": 0.0, "cg": 0.0, "cc": 1.0, "cd": 0.0, "hg": 1.0, "hc": 0.0, "hd": 0.0}
+    link = layer_bytes + bls * s.hidden_size * 2  # the weights, and attention's outputs coming back
+    cache = bls * ctx * 2 * s.hidden_size * 2  # keys and values read by CPU attention
+
+    def pairs(p) -> float:  # decode seconds less the embedding's and the head's own
+        return p.decode_s - (n - 1) * sum(max(p.terms[f"g/{kind}"].values()) for kind in ("embed", "head"))
+
+    slow_memory = dataclasses.replace(hw, cpu_mem_bdw=1e9)
+    got = CostModel(s, slow_memory, W512, Choice(gbs, k, cpu_cache_compute=True)).evaluate(x)
+    assert pairs(got) == pytest.approx((n - 1) * layers * (link + cache) / 1e9, rel=1e-6)
+    assert got.bottleneck == "cpu_mem (attn, mlp pairs)"
+
+    slow_cpu = dataclasses.replace(hw, cpu_attn_bdw=2e9)
+    got = CostModel(s, slow_cpu, W512, Choice(gbs, k, cpu_cache_compute=True)).evaluate(x)
+    assert pairs(got) == pytest.approx((n - 1) * layers * cache / 2e9 / CPU_LANE_SHARE, rel=1e-6)
+    assert got.bottleneck == "cpu_comp (attn, mlp pairs)"
+    # one GPU batch: CPU attention runs between that batch's GPU work, in the attention layer
+    one = CostModel(s, slow_cpu, W512, Choice(bls, 1, cpu_cache_compute=True)).evaluate(x)
+    assert one.decode_s > (n - 1) * layers * cache / 2e9 and "attn layers" in one.bottleneck
