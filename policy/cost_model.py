@@ -38,7 +38,7 @@ from typing import Any, Mapping
 from flexoff.models.spec import ModelSpec
 from flexoff.policy.hardware import Hardware
 from flexoff.policy.policy import GPU_RESERVE, cache_slots, weight_slots
-from flexoff.quant.sizes import kv_config, kv_record_bytes, layer_bytes, weight_config
+from flexoff.quant.sizes import kv_config, kv_record_bytes, layer_bytes, tensor_bytes, weight_config
 
 VARS = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd")
 # the largest share of a decode that the engine's CPU attention lane was busy where it bound
@@ -120,6 +120,10 @@ class CostModel:
         self.Q = spec.num_heads * spec.head_dim * eb  # query / attention output bytes per token
         self.W_total = sum(self.count[k] * self.W[k] for k in KINDS)
         self.W_max = max(self.W.values())
+        # each kind's tensors in the engine's order: a streamed layer is staged into its GPU slot
+        # from the first tensor that the layer's GPU share does not hold whole
+        self.tensors = {k: [tensor_bytes(t, eb, wq) for t in spec.layers[first[k]].tensors] if first[k] is not None
+                        else [] for k in KINDS}
         self.slots = weight_slots(choice.cpu_cache_compute)  # the engine's GPU weight slots
         self.cache_slots = cache_slots(choice.cpu_cache_compute, choice.num_gpu_batches)
         # with CPU attention the engine loads an attention layer's disk rows while the MLP layer
@@ -270,12 +274,28 @@ class CostModel:
         working += self.spec.inflight_bytes(ch.gpu_batch_size, s, self.work.elem_bytes)
         cache = self.cache_memory(x)
         return {
-            "gpu": x["wg"] * self.W_total + self.slots * (1 - x["wg"]) * self.W_max + cache["gpu"]
+            "gpu": x["wg"] * self.W_total + self.slots * self.slot_bytes(x["wg"]) + cache["gpu"]
             + x["hg"] * act + working
             + x["wg"] * self.lora_bytes + self.slots * (1 - x["wg"]) * max(self.lora_layer.values()),
             "cpu": x["wc"] * self.W_total + cache["cpu"] + x["hc"] * act + self.lora_host,
             "disk": x["wd"] * self.W_total + cache["disk"] + x["hd"] * act,
         }
+
+    def slot_bytes(self, wg: Any) -> Any:
+        """A GPU weight slot: the largest layer's bytes beyond its GPU share; for the LP, that
+        share's complement (linear), and for a concrete share, counted from the first tensor the
+        share does not hold whole, as the engine stages it (up to a tensor more)."""
+        if not isinstance(wg, (int, float)):
+            return (1 - wg) * self.W_max
+        out = 0
+        for sizes in self.tensors.values():
+            held, start = round(sum(sizes) * wg), 0
+            for b in sizes:
+                if start + b > held:
+                    break
+                start += b
+            out = max(out, sum(sizes) - start)
+        return out
 
     # ---- evaluation ----------------------------------------------------
     def layer_time(self, t: Mapping[str, float]) -> float:

@@ -210,6 +210,7 @@ def _candidate(model: CostModel, x: dict[str, float], budget: Budget, max_latenc
     or up by a row where that is faster and fits (a fraction of a row on disk, rounded to a whole
     one, can cost more than the row is worth)."""
     best = None
+    x = _fit_slots(model, x, budget)
     for cu, hu in itertools.product(BUMPS, BUMPS):
         policy, frac = round_policy(x, model.ch, {"c": cu, "h": hu})
         pred = model.evaluate(frac)
@@ -272,3 +273,17 @@ def search_training(spec: ModelSpec, hw: Hardware, seq_len: int, batch: int, bud
     # equal predictions (compute-bound shapes of the same tokens): fewer blocks, then larger GPU batches
     out.sort(key=lambda cb: (-round(cb[0].prediction.throughput / best, 6), cb[1], cb[0].policy.num_gpu_batches))
     return [c for c, _ in out]
+
+
+def _fit_slots(model: CostModel, x: dict[str, float], budget: Budget) -> dict[str, float]:
+    """The LP's fractions with weights moved from the GPU to the CPU until the GPU slots, staged
+    from whole tensors as the engine stages them (the LP counts only the bytes beyond the GPU
+    share), fit the GPU budget."""
+    for _ in range(4):
+        over = model.memory(x)["gpu"] - budget.gpu
+        if over <= 0 or x["wg"] <= 0:
+            break
+        freed = max(model.W_total - model.slots * model.W_max, 1.0)  # GPU bytes per unit of wg moved
+        d = min(x["wg"], over / freed + 1e-3)
+        x = {**x, "wg": x["wg"] - d, "wc": x["wc"] + d}
+    return x

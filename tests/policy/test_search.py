@@ -304,3 +304,28 @@ def test_cpu_attention_is_priced_over_the_attention_and_mlp_pair():
     # one GPU batch: CPU attention runs between that batch's GPU work, in the attention layer
     one = CostModel(s, slow_cpu, W512, Choice(bls, 1, cpu_cache_compute=True)).evaluate(x)
     assert one.decode_s > (n - 1) * layers * cache / 2e9 and "attn layers" in one.bottleneck
+
+
+def test_searched_policies_fit_the_engines_memory_plan():
+    """Every candidate the search offers for OPT-30B under a 16 GiB GPU (weights partly on the
+    GPU, the rest streamed through slots that the engine fills from the first tensor a layer's
+    GPU share does not hold whole) fits the engine's own plan of the GPU, and the model's GPU
+    bytes are the plan's (the search once offered runners-up that needed 16.4-16.6 GiB)."""
+    from pathlib import Path
+
+    import torch
+
+    from flexoff.offload.layout import Layout, PlainFormat
+    from flexoff.offload.memory import plan_memory
+    from flexoff.policy.hardware import load
+
+    G = 2**30
+    s = spec("opt-30b")
+    hw = load(str(Path(__file__).parents[2] / "benchmarks" / "data" / "h200-measured.json"))
+    layouts = [Layout(PlainFormat(torch.float16).fields(l)) for l in s.layers]
+    found = search(s, hw, W512, Budget(16 * G, 100 * G, 64 * G))[:10]
+    assert any(0 < c.policy.w_gpu_percent < 50 for c in found)  # GPU shares that end inside a tensor
+    for cand in found:
+        plan = plan_memory(s, layouts, s.kv_bytes_per_token(2), cand.policy, 512, 32, torch.float16, True)
+        assert plan.total("gpu") <= 16 * G, cand.policy.describe()
+        assert cand.prediction.memory["gpu"] == pytest.approx(plan.total("gpu"), rel=1e-3, abs=2**20)
