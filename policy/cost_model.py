@@ -42,7 +42,7 @@ from flexoff.quant.sizes import kv_config, kv_record_bytes, layer_bytes, tensor_
 
 VARS = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd")
 # the largest share of a decode that the engine's CPU attention lane was busy where it bound
-# (0.88-0.89: OPT-30B, 12x6 and 24x3 with the whole cache in CPU memory, H200; RESULTS.md)
+# (0.88-0.89: OPT-30B, 12x6 and 24x3 with (nearly) all of the cache in CPU memory, H200; RESULTS.md)
 CPU_LANE_SHARE = 0.9
 KINDS = ("embed", "attn", "mlp", "head")
 
