@@ -258,7 +258,7 @@ def lora_expand(v: torch.Tensor, yf: torch.Tensor, ids: torch.Tensor, p: LoraPac
         return yf
     c = DECODE
     split, rp = v.shape[1], v.shape[2]
-    rc = _decode_tiling(tokens, 1, 1).rc
+    rc = _lane_step(tokens)[1]
     _tok_expand[(tokens, triton.cdiv(N, c["bn"]))](yf, b, ids, p.buf, p.b_off, p.rank, p.scale, v, per_row, N,
                                                    yf.stride(0), split, rp, SP=triton.next_power_of_2(split),
                                                    BN=c["bn"], RC=rc, ADD=add, HAS_B=bias is not None,
@@ -283,14 +283,20 @@ class _Decode(NamedTuple):
     splits: int
 
 
+def _lane_step(tokens: int) -> tuple[bool, int, int]:
+    """Whether a decode batch of this many tokens shrinks by rank lanes, the lanes a step of
+    either pass takes, and the inputs a shrink step loads."""
+    c = DECODE
+    lanes = tokens >= c["lanes_from"]
+    return (lanes, c["rc"], c["bk"]) if lanes else (lanes, c["split_rc"], c["split_bk"])
+
+
 def _decode_tiling(tokens: int, K: int, max_rank: int) -> _Decode:
     """By rank lanes for `lanes_from` tokens or more (a program per rc lanes, over lane_k
     inputs), else by splits of the input (a program per split, over every lane)."""
-    c = DECODE
-    lanes = tokens >= c["lanes_from"]
-    rc, bk = (c["rc"], c["bk"]) if lanes else (c["split_rc"], c["split_bk"])
+    lanes, rc, bk = _lane_step(tokens)
     rp = triton.cdiv(max(max_rank, 1), rc) * rc
-    ks = (c["lane_k"] if lanes else c["split_k"]) or triton.cdiv(K, bk) * bk
+    ks = DECODE["lane_k" if lanes else "split_k"] or triton.cdiv(K, bk) * bk
     if ks % bk:  # a program's last step would reach into the next split
         raise ValueError(f"DECODE: {'lane_k' if lanes else 'split_k'} {ks} is not a multiple of its step {bk}")
     return _Decode(rc if lanes else rp, rc, rp, ks, bk, triton.cdiv(K, ks))
