@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import resource
 import sys
+from collections import deque
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -36,7 +37,7 @@ from flexoff.offload.block import (IGNORE, BatchInput, BlockResult, BlockRun, Cl
                                    Sampler, SampleTask, TrainResult)
 from flexoff.offload.host_io import HostIO
 from flexoff.offload.kvcache import KVCodec, KVStore, PlainKV, cached_batches
-from flexoff.offload.lanes import Lanes
+from flexoff.offload.lanes import Event, Lanes
 from flexoff.offload.layer_ops import layer_ops
 from flexoff.offload.layout import Layout, PlainFormat, WeightFormat
 from flexoff.offload.lean import LeanDecoder, graphs_enabled
@@ -51,6 +52,12 @@ from flexoff.policy.policy import Policy, weight_slots
 
 __all__ = ["Engine", "BatchInput", "BlockResult", "TrainResult", "cpu_attention_threads"]
 SWITCH_INTERVAL = 2e-4  # seconds; Python's default is 5e-3
+# Steps of whole sequences (a prefill, a training window's sweeps) whose compute the host may
+# have issued beyond the one the GPU is on. Without a limit the host ran 4-7 such steps ahead;
+# their outputs, freed while still queued for copies on other streams, held memory the CUDA
+# allocator could not reuse until it ran into the GPU cap and drained every stream
+# (RESULTS.md). Two is what the memory plan counts (ModelSpec.inflight_bytes).
+HOST_AHEAD = 2
 
 
 def adapter_bytes(need: Need, host: int, layouts: list[Layout], policy: Policy, dtype: torch.dtype) -> dict[str, int]:
@@ -292,6 +299,8 @@ class Engine:
         deep = self.kv.lookahead if p.overlap and self.kv.cpu_compute else 0
         if os.environ.get("FLEXOFF_CACHE_AHEAD") == "0":  # one step ahead only, for comparisons
             deep = min(deep, 1)
+        depth = int(os.environ.get("FLEXOFF_HOST_AHEAD", HOST_AHEAD)) if p.overlap and self.lanes.cuda else 0
+        issued: deque[Event] = deque()  # compute of the last whole-sequence steps, oldest first
         for plan in block_plan(sweeps, L, K, early=early, ahead=ahead if p.overlap else 0, at=at,
                                lookahead=2 * deep + 1):
             step = plan.step
@@ -309,6 +318,10 @@ class Engine:
                     left -= self.ops[later.j].load_cache(run, later)
             op = self.ops[step.j]
             op.backward(run, step) if step.backward else op.forward(run, step)
+            if depth and (step.i == 0 or step.backward):  # see HOST_AHEAD
+                issued.append(self.lanes.compute.mark())
+                if len(issued) > depth:
+                    issued.popleft().wait_host()
             if not p.overlap:
                 run.finish_where(lambda c: True)
                 self.lanes.sync()
