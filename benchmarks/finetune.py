@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import gzip
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -117,15 +119,28 @@ def link_use(llm: Any, step: Any, ids: torch.Tensor) -> dict[str, Any]:
 
 
 def profile(args: argparse.Namespace, step: Any, ids: torch.Tensor) -> None:
-    """One more step under torch.profiler: the operators by device time and by host time."""
+    """One more step under torch.profiler: the operators by device time and by host time, and
+    beside them (PROFILE.trace.json.gz, when small enough) the trace, every thread's work named
+    by its engine lane, for benchmarks/timeline.py's summary or chrome://tracing."""
     from torch.profiler import ProfilerActivity, profile as prof
 
-    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+    from flexoff.offload.lanes import mark_lanes
+    from timeline import MAX_TRACE, all_threads
+
+    mark_lanes(True)
+    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], experimental_config=all_threads()) as p:
         step(ids)
         torch.cuda.synchronize()
+    mark_lanes(False)
     ka = p.key_averages()
     text = "\n\n".join(ka.table(sort_by=key, row_limit=30) for key in ("self_cuda_time_total", "self_cpu_time_total"))
-    Path(args.profile).write_text(text)
+    out = Path(args.profile)
+    out.write_text(text)
+    with tempfile.TemporaryDirectory() as tmp:
+        p.export_chrome_trace(str(Path(tmp) / "trace.json"))
+        packed = gzip.compress((Path(tmp) / "trace.json").read_bytes())
+    if len(packed) <= MAX_TRACE:
+        out.with_name(out.name + ".trace.json.gz").write_bytes(packed)
 
 
 PEFT_PREFIX = "base_model.model."  # where PEFT's wrapper puts the transformers model's modules
