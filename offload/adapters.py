@@ -74,6 +74,9 @@ class Slot:
     scale: float
 
 
+WRITE_CHUNK = 32 << 20  # bytes of an adapter converted and copied to its host buffer at a time
+
+
 class HostAdapter:
     """One adapter in one flat host buffer: per layer, per adapted matmul (sorted by name), A
     (rank, in) then B transposed (rank, out)."""
@@ -109,11 +112,22 @@ class HostAdapter:
             m.B = self.flat[s.b_off:s.b_off + r * fout].view(r, fout).t()
 
     def write(self, a: Adapter) -> None:
-        """Copy the adapter's values in (again, after an optimizer step changed them)."""
-        for key, s in self.slots.items():
-            m = a.modules[key]
-            self.flat[s.a_off:s.a_off + m.A.numel()].view_as(m.A).copy_(m.A)
-            self.flat[s.b_off:s.b_off + m.B.numel()].view(m.B.shape[1], m.B.shape[0]).copy_(m.B.t())
+        """Copy the adapter's values in (again, after an optimizer step changed them): converted
+        to the buffer's dtype where they are, WRITE_CHUNK bytes at a time, each chunk brought
+        over in one copy (a synchronous copy per tensor, 566 for OPT-30B's adapter on the GPU,
+        took 105 ms of each training step)."""
+        keys, at = list(self.slots), 0
+        while at < len(keys):
+            lo, hi, pairs = self.slots[keys[at]].a_off, 0, []
+            while at < len(keys) and (not pairs or hi - lo <= WRITE_CHUNK // self.flat.element_size()):
+                s, m = self.slots[keys[at]], a.modules[keys[at]]
+                hi = s.b_off + m.B.numel()
+                pairs += [(s.a_off, m.A.shape, m.A), (s.b_off, (m.B.shape[1], m.B.shape[0]), m.B.t())]
+                at += 1
+            tmp = torch.empty(hi - lo, dtype=self.flat.dtype, device=pairs[0][2].device)
+            torch._foreach_copy_([tmp[o - lo:o - lo + t.numel()].view(shape) for o, shape, t in pairs],
+                                 [t.detach() for _, _, t in pairs])
+            self.flat[lo:hi].copy_(tmp)
 
 
 @dataclass(frozen=True)

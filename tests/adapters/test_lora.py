@@ -79,6 +79,40 @@ def test_host_copy_is_the_only_copy_where_dtypes_match(tiny, tmp_path):
             assert torch.equal(h.flat[s.a_off:s.a_off + m.A.numel()].view_as(m.A), m.A.to(dtype))
 
 
+
+@pytest.mark.parametrize("chunk", [1, 300, 1 << 30])
+def test_host_copy_is_rewritten_in_chunks_after_the_values_change(tiny, tmp_path, monkeypatch, chunk):
+    """An optimizer step changes float32 master weights; the pool's host copy written again in
+    chunks of any size (one tensor, a few, all) holds each module's A and B transposed, as a
+    copy tensor by tensor makes them."""
+    from flexoff.adapters import load_adapter
+    from flexoff.offload import adapters as pool_mod
+
+    path = tiny["llama"].path
+    made = make_adapters(path, "llama", tmp_path)
+    with LLM(str(path)) as llm:
+        spec = llm.model.spec
+    a = load_adapter("a", made["a"], spec)
+    for m in a.modules.values():  # as a trainer holds them: float32 leaves that require grad
+        m.A = m.A.detach().to(torch.float32, copy=True).requires_grad_(True)
+        m.B = m.B.detach().to(torch.float32, copy=True).requires_grad_(True)
+    monkeypatch.setattr(pool_mod, "WRITE_CHUNK", chunk)
+    h = pool_mod.AdapterPool([a], torch.device("cpu"), torch.float16).host("a")
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for m in a.modules.values():
+            m.A.copy_(torch.randn(m.A.shape, generator=g))
+            m.B.copy_(torch.randn(m.B.shape, generator=g))
+    h.flat.zero_()
+    h.write(a)
+    for k, m in a.modules.items():
+        s = h.slots[k]
+        assert torch.equal(h.flat[s.a_off:s.a_off + m.A.numel()].view_as(m.A), m.A.detach().half())
+        got_b = h.flat[s.b_off:s.b_off + m.B.numel()].view(m.B.shape[1], m.B.shape[0])
+        assert torch.equal(got_b, m.B.detach().t().half())
+    ends = [h.slots[k].b_off + m.B.numel() for k, m in a.modules.items()]
+    assert max(ends) == h.flat.numel()  # the modules fill the buffer: nothing left unwritten
+
 def test_a_closed_engine_gives_back_the_adapters_device_room(tiny, tmp_path):
     """The adapters' device buffers belong to the engine whose plan counted them: a job without
     adapters on a new engine does not carry them, and the next job with adapters reserves again
