@@ -1,8 +1,9 @@
 """Quantization kernels on the GPU: dequantization bandwidth against the device copy bandwidth,
-and the fused dequantize-matmul against dequantize-then-matmul at decode shapes, each call timed
-with its host work (CUDA events around eager calls) and without it (CUDA graphs).
+the fused dequantize-matmul against dequantize-then-matmul at decode shapes, and the KV cache's
+quantize-on-store (one kernel into the records against gather, quantize, concatenate), each call
+timed with its host work (CUDA events around eager calls) and without it (CUDA graphs).
 
-    python benchmarks/kernels.py [--out benchmarks/out]
+    python benchmarks/kernels.py [--out benchmarks/out] [--tune] [--kv-only]
 
 Prints a table and appends JSON records to OUT/kernels.jsonl. Needs CUDA and Triton.
 """
@@ -42,6 +43,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     ap.add_argument("--tune", action="store_true", help="also sweep tile sizes and print the best")
+    ap.add_argument("--kv-only", action="store_true", help="only the KV cache's encode")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("kernels.py needs a CUDA device", file=sys.stderr)
@@ -58,6 +60,12 @@ def main() -> int:
     copy_bw = 2 * src.numel() * 2 / ms / 1e6  # GB/s
     rows.append({"kernel": "device copy", "shape": "1 GiB", "ms": ms, "GB/s": copy_bw, "of copy": 1.0})
     cfg = QuantConfig(4, 64)
+    rows += kv_encode(copy_bw)
+    if args.kv_only:
+        print(table(rows, ["kernel", "shape", "ms", "GB/s", "of copy", "vs unfused", "gpu ms", "gpu vs unfused",
+                           "host ms", "host ms unfused"]))
+        write_jsonl(args.out / "kernels.jsonl", [{**env, **r} for r in rows])
+        return 0
     for r, n in [(16384, 16384), (28672, 7168), (7168, 28672)]:
         x = torch.randn(r, n, device="cuda", dtype=torch.float16)
         d, s, m = quantize_rows(x, cfg)
@@ -95,6 +103,33 @@ def main() -> int:
                        "gpu vs dequant+mm", "host ms", "host ms dequant+mm", "tile"]))
     write_jsonl(args.out / "kernels.jsonl", [{**env, **r} for r in rows])
     return 0
+
+
+def kv_encode(copy_bw: float) -> list[dict]:
+    """OPT-30B's KV records (56 heads of 128, 4 bits in groups of 64) for 48 sequences: a 512-token
+    prompt and one decode token, quantized by one kernel into the records and by the unfused
+    path (records gathered, quantized into three tensors, concatenated)."""
+    from flexoff.kernels.quant import kv_encode_triton
+    from flexoff.quant.engine import QuantKV
+
+    codec, out = QuantKV(56, 128, torch.float16, 4, 64), []
+    for n, s in [(48, 512), (48, 1)]:
+        k, v = (torch.randn(n, s, 56, 128, device="cuda", dtype=torch.float16).transpose(1, 2) for _ in range(2))
+        rec = torch.empty(s, n, codec.rec_bytes, dtype=torch.uint8, device="cuda")
+
+        def fused():
+            kv_encode_triton(k, v, rec, codec.cfg)
+
+        def unfused():
+            torch.cat(codec._encoded(k, v), dim=-1, out=rec)
+
+        ms, ms_un = bench(fused), bench(unfused)
+        gpu, gpu_un = 1e3 * gpu_seconds(fused, 10), 1e3 * gpu_seconds(unfused, 10)
+        moved = 2 * k.numel() * 2 + rec.numel()  # k and v read, records written
+        out.append({"kernel": "KV encode 4-bit", "shape": f"{n}x56x{s}x128", "ms": ms, "GB/s": moved / ms / 1e6,
+                    "of copy": moved / ms / 1e6 / copy_bw, "vs unfused": ms_un / ms, "gpu ms": gpu,
+                    "gpu vs unfused": gpu_un / gpu, "host ms": host_ms(fused), "host ms unfused": host_ms(unfused)})
+    return out
 
 
 def tune(K, cfg, copy_bw: float) -> list[dict]:

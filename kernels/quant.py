@@ -112,6 +112,23 @@ if HAVE_TRITON:
         return tl.where(d > 0.5, f + 1.0, tl.where(d < 0.5, f, f + odd))
 
     @triton.jit
+    def _quant_groups(x, BM: tl.constexpr, GROUP: tl.constexpr, BITS: tl.constexpr):
+        """Codes (packed: two 4-bit values per byte, the even column low), float16 scale and
+        minimum of a (BM, GROUP) float32 tile whose rows are one group each."""
+        lo = tl.min(x, axis=1)
+        hi = tl.max(x, axis=1)
+        levels: tl.constexpr = (1 << BITS) - 1
+        scale = tl.math.div_rn(hi - lo, levels + 0.0).to(tl.float16)
+        mn = lo.to(tl.float16)
+        step = tl.where(scale.to(tl.float32) > 0, scale.to(tl.float32), 1.0)
+        y = tl.math.div_rn(x - mn.to(tl.float32)[:, None], step[:, None])
+        q = tl.minimum(tl.maximum(_round_half_even(y), 0.0), levels + 0.0).to(tl.int32)
+        if BITS == 4:
+            even, odd = tl.split(tl.reshape(q, (BM, GROUP // 2, 2)))
+            return (even | (odd << 4)).to(tl.uint8), scale, mn
+        return q.to(tl.uint8), scale, mn
+
+    @triton.jit
     def _quant_kernel(x_ptr, data_ptr, scale_ptr, mn_ptr, M, sx, sd, ss,
                       GROUP: tl.constexpr, BITS: tl.constexpr, BM: tl.constexpr):
         """One group (a column block of GROUP values) of BM rows per program."""
@@ -121,23 +138,39 @@ if HAVE_TRITON:
         cols = gi * GROUP + tl.arange(0, GROUP)[None, :]
         rmask = rows < M
         x = tl.load(x_ptr + rows * sx + cols, mask=rmask, other=0).to(tl.float32)
-        lo = tl.min(x, axis=1)
-        hi = tl.max(x, axis=1)
-        levels: tl.constexpr = (1 << BITS) - 1
-        scale = tl.math.div_rn(hi - lo, levels + 0.0).to(tl.float16)
-        mn = lo.to(tl.float16)
-        step = tl.where(scale.to(tl.float32) > 0, scale.to(tl.float32), 1.0)
-        y = tl.math.div_rn(x - mn.to(tl.float32)[:, None], step[:, None])
-        q = tl.minimum(tl.maximum(_round_half_even(y), 0.0), levels + 0.0).to(tl.int32)
+        codes, scale, mn = _quant_groups(x, BM, GROUP, BITS)
         tl.store(scale_ptr + srow * ss + gi, scale, mask=srow < M)
         tl.store(mn_ptr + srow * ss + gi, mn, mask=srow < M)
-        if BITS == 4:
-            even, odd = tl.split(tl.reshape(q, (BM, GROUP // 2, 2)))
-            packed = (even | (odd << 4)).to(tl.uint8)
-            pcols = gi * (GROUP // 2) + tl.arange(0, GROUP // 2)[None, :]
-            tl.store(data_ptr + rows * sd + pcols, packed, mask=rmask)
-        else:
-            tl.store(data_ptr + rows * sd + cols, q.to(tl.uint8), mask=rmask)
+        CB: tl.constexpr = GROUP * BITS // 8  # code bytes per group
+        tl.store(data_ptr + rows * sd + gi * CB + tl.arange(0, CB)[None, :], codes, mask=rmask)
+
+    @triton.jit
+    def _kv_encode_kernel(k_ptr, v_ptr, out_ptr, out16_ptr, M, R, H, D, skb, skh, skt, svb, svh, svt,
+                          rec, code_bytes, GROUP: tl.constexpr, BITS: tl.constexpr, BM: tl.constexpr):
+        """One group of BM record rows per program. Record row m is ((token * R + seq) * 2 + kv)
+        * H + head, as quant.engine.records orders them; it is read from k or v (any strides, the
+        head dimension contiguous, padded by repeating its last value) and its codes, scale and
+        minimum go to row m % 2H of each part of the (token, seq) record, rec bytes apart."""
+        m = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
+        mask = m < M
+        h = m % H
+        is_k = (m // H) % 2 == 0
+        tb = m // (2 * H)
+        b, t = tb % R, tb // R
+        gi = tl.program_id(1)
+        ng = tl.num_programs(1)
+        cols = tl.minimum(gi * GROUP + tl.arange(0, GROUP), D - 1)[None, :]
+        xk = tl.load(k_ptr + (b * skb + h * skh + t * skt)[:, None] + cols, mask=(mask & is_k)[:, None], other=0)
+        xv = tl.load(v_ptr + (b * svb + h * svh + t * svt)[:, None] + cols, mask=(mask & ~is_k)[:, None], other=0)
+        x = tl.where(is_k[:, None], xk.to(tl.float32), xv.to(tl.float32))
+        codes, scale, mn = _quant_groups(x, BM, GROUP, BITS)
+        r = m % (2 * H)
+        CB: tl.constexpr = GROUP * BITS // 8
+        tl.store(out_ptr + (tb * rec + r * code_bytes + gi * CB)[:, None] + tl.arange(0, CB)[None, :], codes,
+                 mask=mask[:, None])
+        s_at = (tb * rec + 2 * H * code_bytes) // 2 + r * ng + gi  # float16 index of the scale
+        tl.store(out16_ptr + s_at, scale, mask=mask)
+        tl.store(out16_ptr + s_at + 2 * H * ng, mn, mask=mask)
 
     @triton.jit
     def _group_broadcast(t, ROWS: tl.constexpr, NG: tl.constexpr, HB: tl.constexpr):
@@ -252,6 +285,27 @@ def quantize_rows_triton(rows: torch.Tensor, cfg: QuantConfig) -> tuple[torch.Te
     _quant_kernel[grid](rows, data, scale, mn, M, rows.stride(0), data.stride(0), scale.stride(0),
                         GROUP=cfg.group, BITS=cfg.bits, BM=BM)
     return data, scale, mn
+
+
+def kv_encode_ok(k: torch.Tensor, cfg: QuantConfig) -> bool:
+    """kv_encode_triton serves QuantKV here: CUDA tensors and a power-of-two group."""
+    return _use_triton(k) and cfg.group & (cfg.group - 1) == 0
+
+
+def kv_encode_triton(k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, cfg: QuantConfig) -> None:
+    """Quantize keys and values (rows, kv_heads, s, head_dim) straight into KV records: out is
+    (s, rows, rec) contiguous bytes, each record the (2, kv_heads) rows of codes, then of float16
+    scales, then of minimums (quant.engine.QuantKV's layout; one kernel instead of a gather, a
+    quantize into three tensors and a concatenation)."""
+    k, v = _rows_ok(k), _rows_ok(v)
+    R, H, S, D = k.shape
+    code_bytes = (-(-D // cfg.group) * cfg.group) * cfg.bits // 8
+    assert out.is_contiguous() and out.dtype == torch.uint8 and out.shape[:2] == (S, R) and out.shape[2] % 2 == 0
+    M, BM = S * R * 2 * H, 16
+    grid = (triton.cdiv(M, BM), -(-D // cfg.group))
+    _kv_encode_kernel[grid](k, v, out, out.view(torch.float16), M, R, H, D, k.stride(0), k.stride(1), k.stride(2),
+                            v.stride(0), v.stride(1), v.stride(2), out.shape[2], code_bytes,
+                            GROUP=cfg.group, BITS=cfg.bits, BM=BM)
 
 
 def qmatmul_triton(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, cfg: QuantConfig,

@@ -28,11 +28,11 @@ from flexoff.policy.policy import Policy, cache_slots
 
 class KVCodec(Protocol):
     rec_bytes: int  # bytes of one token of one sequence (keys and values)
+    lossy: bool  # a read returns other values than were written (quantized)
 
     def write(self, buf: torch.Tensor, rows: int, t: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
     def read(self, buf: torch.Tensor, rows: int, t: int) -> tuple[torch.Tensor, torch.Tensor]: ...
     def encode(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
-    def roundtrip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def records(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -44,6 +44,8 @@ def records(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 class PlainKV:
     """Keys and values stored as they are: a record is (2, kv_heads, head_dim) values."""
+
+    lossy = False
 
     def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype):
         self.kvh, self.hd, self.dtype = kv_heads, head_dim, dtype
@@ -75,10 +77,6 @@ class PlainKV:
         """Records of k, v (rows, kv_heads, s, head_dim) as contiguous (s, rows, rec) bytes."""
         x = records(k, v)
         return x.view(torch.uint8).view(x.shape[0], x.shape[1], self.rec_bytes)
-
-    def roundtrip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k and v as a read of the cache would return them: unchanged."""
-        return k, v
 
 
 class HeadMajorKV:
@@ -177,17 +175,27 @@ class KVStore:
         return t0 * rows * rec, (t1 - t0) * rows * rec
 
     # ---- prefill -------------------------------------------------------
-    def store_prompt(self, li: int, kb: int, n: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def store_prompt(self, li: int, kb: int, n: int, k: torch.Tensor,
+                     v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store the prompt's keys and values (n, kv_heads, s, d), made on the compute stream,
-        into every tier's rows. A copy away from the GPU waits for an event marked after the
-        records it copies are encoded (not merely after k and v exist: the encode is compute too,
-        and a copy that starts before it ends reads unwritten memory)."""
+        into every tier's rows, and return them as a read of the cache would (a lossy codec's
+        values, decoded from the records stored: the prompt is encoded once). A copy away from
+        the GPU waits for an event marked after the records it copies are encoded (not merely
+        after k and v exist: the encode is compute too, and a copy that starts before it ends
+        reads unwritten memory)."""
+        s, rec = k.shape[2], self.codec.rec_bytes
+        whole = self.codec.encode(k, v) if self.codec.lossy else None  # (s, n, rec)
         for tier, r0, r1 in self.segments(n):
             seg, rows = self.homes[li][kb][tier], r1 - r0
             if tier == "gpu":
-                self.codec.write(seg.buf, rows, 0, k[r0:r1], v[r0:r1])
+                if whole is None:
+                    self.codec.write(seg.buf, rows, 0, k[r0:r1], v[r0:r1])
+                else:
+                    seg.buf[:s * rows * rec].view(s, rows, rec).copy_(whole[:, r0:r1])
                 continue
-            if tier == "cpu" and self.head_major:  # the prompt area: keys then values, one copy
+            if whole is not None:
+                enc = whole[:, r0:r1].contiguous()  # the whole prompt's records where one tier holds them
+            elif tier == "cpu" and self.head_major:  # the prompt area: keys then values, one copy
                 enc = torch.stack((k[r0:r1], v[r0:r1])).contiguous()  # (2, rows, kv_heads, s, d)
             else:
                 enc = self.codec.encode(k[r0:r1], v[r0:r1])  # (s, rows, rec), transient
@@ -195,7 +203,8 @@ class KVStore:
             src = span_of(enc)
             cp = self.mover.copy(Span(seg.buf, 0, src.nbytes), src, deps, lane="store", transient=True)
             seg.track.wrote(cp)
-            seg.track.tag = k.shape[2]  # tokens stored
+            seg.track.tag = s  # tokens stored
+        return (k, v) if whole is None else self.codec.read(whole.view(-1), n, s)
 
     # ---- decode --------------------------------------------------------
     def load(self, li: int, kb: int, n: int, t: int) -> None:

@@ -275,8 +275,7 @@ class AttnOp(LayerOp):
         fam, kv, li = e.fam, e.kv, self.li
         q, kk, vv = fam.attn_in(w, h, st.inputs(i)[1])
         if i == 0:  # prefill: store the keys, attend over them as stored (a lossy codec's values)
-            kv.store_prompt(li, k, st.n, kk, vv)
-            o = attend(q, *kv.codec.roundtrip(kk, vv), st.mask0, fam.scale)
+            o = attend(q, *kv.store_prompt(li, k, st.n, kk, vv), st.mask0, fam.scale)
             self._output(step, fam.attn_out(w, h, o))
             return None
         t = st.S + i - 1  # position of the new token

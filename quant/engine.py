@@ -15,7 +15,7 @@ from typing import Any, Mapping
 
 import torch
 
-from flexoff.kernels.quant import dequantize_rows, qmatmul, quantize_rows
+from flexoff.kernels.quant import dequantize_rows, kv_encode_ok, kv_encode_triton, qmatmul, quantize_rows
 from flexoff.models.base import LayerSpec
 from flexoff.models.spec import ModelSpec
 from flexoff.offload.kvcache import PlainKV, records
@@ -89,6 +89,8 @@ class QuantKV:
     """KV records quantized along the head dimension: (2, kv_heads) rows of codes, then their
     scales, then their minimums, all bytes of one token of one sequence."""
 
+    lossy = True
+
     def __init__(self, kv_heads: int, head_dim: int, dtype: torch.dtype, bits: int, group: int):
         self.kvh, self.hd, self.dtype = kv_heads, head_dim, dtype
         self.cfg = kv_config(bits, group, head_dim)
@@ -96,13 +98,18 @@ class QuantKV:
         shapes = part_shapes((head_dim,), self.cfg)
         self.sizes = {p: 2 * kv_heads * shapes[p][1] * PART_DTYPES[p].itemsize for p in PARTS}
 
-    def encode(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Records of k, v (rows, kv_heads, s, head_dim) as contiguous (s, rows, rec) bytes,
-        quantized ENCODE_CHUNK dense bytes at a time: a prompt's full-precision records (704 MB
-        for 48 OPT-30B rows of 512 tokens) never exist at once."""
+    def encode(self, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Records of k, v (rows, kv_heads, s, head_dim) as contiguous (s, rows, rec) bytes, into
+        `out` where given. On CUDA one kernel quantizes them in place (kv_encode_triton); else
+        ENCODE_CHUNK dense bytes at a time: a prompt's full-precision records (704 MB for 48
+        OPT-30B rows of 512 tokens) never exist at once."""
         rows, s = k.shape[0], k.shape[2]
+        if out is None:
+            out = torch.empty(s, rows, self.rec_bytes, dtype=torch.uint8, device=k.device)
+        if kv_encode_ok(k, self.cfg):
+            kv_encode_triton(k, v, out, self.cfg)
+            return out
         step = max(1, ENCODE_CHUNK // (rows * 2 * self.kvh * self.hd * k.element_size()))
-        out = torch.empty(s, rows, self.rec_bytes, dtype=torch.uint8, device=k.device)
         for t0 in range(0, s, step):  # a token range of the records is one contiguous run
             torch.cat(self._encoded(k[:, :, t0:t0 + step], v[:, :, t0:t0 + step]), dim=-1,
                       out=out[t0:t0 + step])
@@ -116,15 +123,8 @@ class QuantKV:
         return [p.reshape(s, rows, -1).view(torch.uint8) for p in parts]
 
     def write(self, buf: torch.Tensor, rows: int, t: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        enc = self.encode(k, v)
-        s = enc.shape[0]
-        buf[t * rows * self.rec_bytes:(t + s) * rows * self.rec_bytes].view(s, rows, self.rec_bytes).copy_(enc)
-
-    def roundtrip(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k and v (rows, kv_heads, s, head_dim) as a read of the cache returns them."""
-        enc = self.encode(k, v)
-        k2, v2 = self.read(enc.reshape(-1), enc.shape[1], enc.shape[0])
-        return k2, v2
+        s, rec = k.shape[2], self.rec_bytes
+        self.encode(k, v, out=buf[t * rows * rec:(t + s) * rows * rec].view(s, rows, rec))
 
     def read(self, buf: torch.Tensor, rows: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized keys and values of tokens 0 .. t: (rows, kv_heads, t, head_dim) each."""

@@ -81,6 +81,11 @@ def test_kernels_equal_references_on_gpu():
             y = K.qmatmul(xx, d.view(301, -1), s.view(301, -1), m.view(301, -1), cfg, 7 * group - 5)
             ref = xx.double() @ dequantize_rows(d, s, m, cfg, torch.float16).double()[:, :7 * group - 5]
             assert ((y.double() - ref).norm() / ref.norm()) < 2e-3
+    from flexoff.quant.engine import QuantKV  # the KV cache's one-kernel encode against the CPU's reference
+    for heads, dim, bits, group in [(56, 128, 4, 64), (8, 80, 4, 32), (4, 64, 8, 64)]:
+        codec = QuantKV(heads, dim, torch.float16, bits, group)
+        k, v = (torch.randn(3, 9, heads, dim, device="cuda", dtype=torch.float16).transpose(1, 2) for _ in range(2))
+        assert torch.equal(codec.encode(k, v).cpu(), codec.encode(k.cpu(), v.cpu()))
 
 
 def test_compression_on_gpu_is_deterministic_under_placements(tiny):

@@ -90,3 +90,32 @@ def test_fused_qmatmul_is_deterministic_on_cuda():
     x = torch.randn(32, k, dtype=torch.float16, device="cuda")
     first = K.qmatmul_triton(x, d, s, mn, cfg, n)
     assert all(torch.equal(K.qmatmul_triton(x, d, s, mn, cfg, n), first) for _ in range(30))
+
+
+@pytest.mark.parametrize("rows,heads,s,d,bits,group", [(3, 4, 5, 64, 4, 64), (2, 3, 7, 80, 4, 32), (1, 2, 3, 48, 8, 16),
+                                                     (4, 1, 2, 128, 4, 128), (2, 5, 9, 64, 4, 8)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_kv_encode_writes_the_reference_records(rows, heads, s, d, bits, group, dtype, monkeypatch):
+    """Keys and values quantized straight into the cache's records equal the reference encode
+    (gather, quantize, concatenate) byte for byte: strided k and v (as attention makes them),
+    head dimensions padded to whole groups, 8 bits, a constant group, and a write at token t
+    into a larger buffer, which must leave the bytes around it alone."""
+    from flexoff.quant import engine as E
+
+    def strided(x):  # (rows, heads, s, d) as a view of (rows, s, heads, d)
+        return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+    k = strided((torch.randn(rows, heads, s, d) * 3).to(dtype))
+    v = strided((torch.randn(rows, heads, s, d) - 1).to(dtype))
+    k[0, 0, 0, :min(group, d)] = 0.75
+    codec = E.QuantKV(heads, d, dtype, bits, group)
+    want = codec.encode(k, v)  # the reference path off CUDA
+    got = torch.full_like(want, 7)
+    K.kv_encode_triton(k, v, got, codec.cfg)
+    assert torch.equal(got, want)
+    monkeypatch.setattr(E, "kv_encode_ok", lambda *a: True)  # QuantKV.write through the kernel
+    t, rec = 2, codec.rec_bytes
+    buf = torch.full(((t + s + 1) * rows * rec,), 9, dtype=torch.uint8)
+    codec.write(buf, rows, t, k, v)
+    assert torch.equal(buf[t * rows * rec:(t + s) * rows * rec].view(s, rows, rec), want)
+    assert (buf[:t * rows * rec] == 9).all() and (buf[(t + s) * rows * rec:] == 9).all()

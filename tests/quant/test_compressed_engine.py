@@ -50,6 +50,20 @@ def test_compression_is_deterministic_under_every_placement(tiny):
             assert runs[0] == runs[1] and all(len(t) == 6 for t in runs[0]), p.describe()
 
 
+def test_a_compressed_cache_gives_the_same_tokens_wherever_it_is_placed(tiny):
+    """The cache's records are the same bytes in every tier, so a compressed cache split over
+    GPU, CPU and disk rows (each prompt encoded once, its segments copied out of the one
+    encoding) generates what the cache held whole on the GPU does."""
+    with LLM(str(tiny["opt"].path)) as llm:
+        def run(p: Policy) -> list[list[int]]:
+            llm.policy_arg = p.replace(compress_cache=True, quant_group=16)
+            return [c.token_ids for c in llm.generate([{"prompt_ids": q} for q in PROMPTS],
+                                                      max_new_tokens=6).completions]
+        want = run(Policy(gpu_batch_size=len(PROMPTS)))
+        for p in pairwise():
+            assert run(p) == want, p.describe()
+
+
 @pytest.fixture(scope="module")
 def smol_ppl(smol):
     smol.close()
