@@ -123,9 +123,9 @@ if HAVE_TRITON:
         step = tl.where(scale.to(tl.float32) > 0, scale.to(tl.float32), 1.0)
         y = tl.math.div_rn(x - mn.to(tl.float32)[:, None], step[:, None])
         q = tl.minimum(tl.maximum(_round_half_even(y), 0.0), levels + 0.0).to(tl.int32)
-        if BITS == 4:
+        if BITS == 4:  # (no return inside the branch: the compiler refuses an early return)
             even, odd = tl.split(tl.reshape(q, (BM, GROUP // 2, 2)))
-            return (even | (odd << 4)).to(tl.uint8), scale, mn
+            q = even | (odd << 4)
         return q.to(tl.uint8), scale, mn
 
     @triton.jit
