@@ -11,6 +11,7 @@ Prints a table and appends JSON records to OUT/kernels.jsonl. Needs CUDA and Tri
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -60,10 +61,10 @@ def main() -> int:
     copy_bw = 2 * src.numel() * 2 / ms / 1e6  # GB/s
     rows.append({"kernel": "device copy", "shape": "1 GiB", "ms": ms, "GB/s": copy_bw, "of copy": 1.0})
     cfg = QuantConfig(4, 64)
-    rows += kv_encode(copy_bw)
+    rows += kv_encode(copy_bw, args.tune)
     if args.kv_only:
         print(table(rows, ["kernel", "shape", "ms", "GB/s", "of copy", "vs unfused", "gpu ms", "gpu vs unfused",
-                           "host ms", "host ms unfused"]))
+                           "host ms", "host ms unfused", "tile"]))
         write_jsonl(args.out / "kernels.jsonl", [{**env, **r} for r in rows])
         return 0
     for r, n in [(16384, 16384), (28672, 7168), (7168, 28672)]:
@@ -105,11 +106,12 @@ def main() -> int:
     return 0
 
 
-def kv_encode(copy_bw: float) -> list[dict]:
+def kv_encode(copy_bw: float, tune: bool = False) -> list[dict]:
     """OPT-30B's KV records (56 heads of 128, 4 bits in groups of 64) for 48 sequences: a 512-token
     prompt and one decode token, quantized by one kernel into the records and by the unfused
-    path (records gathered, quantized into three tensors, concatenated)."""
-    from flexoff.kernels.quant import kv_encode_triton
+    path (records gathered, quantized into three tensors, concatenated); with tune, the kernel's
+    tiles too."""
+    from flexoff.kernels.quant import KV_ENCODE_TILE, kv_encode_triton
     from flexoff.quant.engine import QuantKV
 
     codec, out = QuantKV(56, 128, torch.float16, 4, 64), []
@@ -128,7 +130,13 @@ def kv_encode(copy_bw: float) -> list[dict]:
         moved = 2 * k.numel() * 2 + rec.numel()  # k and v read, records written
         out.append({"kernel": "KV encode 4-bit", "shape": f"{n}x56x{s}x128", "ms": ms, "GB/s": moved / ms / 1e6,
                     "of copy": moved / ms / 1e6 / copy_bw, "vs unfused": ms_un / ms, "gpu ms": gpu,
-                    "gpu vs unfused": gpu_un / gpu, "host ms": host_ms(fused), "host ms unfused": host_ms(unfused)})
+                    "gpu vs unfused": gpu_un / gpu, "host ms": host_ms(fused), "host ms unfused": host_ms(unfused),
+                    "tile": str(KV_ENCODE_TILE)})
+        for bm, warps in itertools.product((16, 32, 64, 128), (1, 2, 4, 8)) if tune else ():
+            ms = bench(lambda: kv_encode_triton(k, v, rec, codec.cfg, BM=bm, num_warps=warps))
+            out.append({"kernel": "KV encode 4-bit, tile", "shape": f"{n}x56x{s}x128", "ms": ms,
+                        "GB/s": moved / ms / 1e6, "of copy": moved / ms / 1e6 / copy_bw, "vs unfused": ms_un / ms,
+                        "tile": str({"BM": bm, "num_warps": warps})})
     return out
 
 

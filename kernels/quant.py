@@ -292,7 +292,10 @@ def kv_encode_ok(k: torch.Tensor, cfg: QuantConfig) -> bool:
     return _use_triton(k) and cfg.group & (cfg.group - 1) == 0
 
 
-def kv_encode_triton(k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, cfg: QuantConfig) -> None:
+KV_ENCODE_TILE = {"BM": 16, "num_warps": 4}
+
+
+def kv_encode_triton(k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, cfg: QuantConfig, **tile: int) -> None:
     """Quantize keys and values (rows, kv_heads, s, head_dim) straight into KV records: out is
     (s, rows, rec) contiguous bytes, each record the (2, kv_heads) rows of codes, then of float16
     scales, then of minimums (quant.engine.QuantKV's layout; one kernel instead of a gather, a
@@ -301,11 +304,11 @@ def kv_encode_triton(k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, cfg: Q
     R, H, S, D = k.shape
     code_bytes = (-(-D // cfg.group) * cfg.group) * cfg.bits // 8
     assert out.is_contiguous() and out.dtype == torch.uint8 and out.shape[:2] == (S, R) and out.shape[2] % 2 == 0
-    M, BM = S * R * 2 * H, 16
-    grid = (triton.cdiv(M, BM), -(-D // cfg.group))
+    M, t = S * R * 2 * H, {**KV_ENCODE_TILE, **tile}
+    grid = (triton.cdiv(M, t["BM"]), -(-D // cfg.group))
     _kv_encode_kernel[grid](k, v, out, out.view(torch.float16), M, R, H, D, k.stride(0), k.stride(1), k.stride(2),
                             v.stride(0), v.stride(1), v.stride(2), out.shape[2], code_bytes,
-                            GROUP=cfg.group, BITS=cfg.bits, BM=BM)
+                            GROUP=cfg.group, BITS=cfg.bits, BM=t["BM"], num_warps=t["num_warps"])
 
 
 def qmatmul_triton(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, cfg: QuantConfig,

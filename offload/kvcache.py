@@ -42,6 +42,14 @@ def records(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.stack((k.permute(2, 0, 1, 3), v.permute(2, 0, 1, 3)), dim=2)
 
 
+def wide(recs: torch.Tensor) -> torch.Tensor:
+    """(s, rows, rec) record bytes viewed as the widest integers that divide a record."""
+    for dt in (torch.int64, torch.int32, torch.int16):
+        if recs.shape[-1] % dt.itemsize == 0:
+            return recs.view(dt)
+    return recs
+
+
 class PlainKV:
     """Keys and values stored as they are: a record is (2, kv_heads, head_dim) values."""
 
@@ -193,8 +201,8 @@ class KVStore:
                 else:
                     seg.buf[:s * rows * rec].view(s, rows, rec).copy_(whole[:, r0:r1])
                 continue
-            if whole is not None:
-                enc = whole[:, r0:r1].contiguous()  # the whole prompt's records where one tier holds them
+            if whole is not None:  # a strided copy, in words as wide as the records allow (not bytewise)
+                enc = wide(whole)[:, r0:r1].contiguous()
             elif tier == "cpu" and self.head_major:  # the prompt area: keys then values, one copy
                 enc = torch.stack((k[r0:r1], v[r0:r1])).contiguous()  # (2, rows, kv_heads, s, d)
             else:
