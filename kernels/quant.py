@@ -292,7 +292,7 @@ def kv_encode_ok(k: torch.Tensor, cfg: QuantConfig) -> bool:
     return _use_triton(k) and cfg.group & (cfg.group - 1) == 0
 
 
-KV_ENCODE_TILE = {"BM": 16, "num_warps": 4}
+KV_ENCODE_TILE = {"BM": 16, "num_warps": 2}  # tuned on an H200 (benchmarks/kernels.py --kv-only --tune)
 
 
 def kv_encode_triton(k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, cfg: QuantConfig, **tile: int) -> None:
