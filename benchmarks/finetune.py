@@ -10,6 +10,9 @@ model weights placed on the GPU (`--peft-gpu-mem` caps the GPU as Accelerate's d
 does, for models that do not fit). Training tokens per second over `steps` timed steps after
 `warmup` steps; the loss of every step is written beside them, and flexoff's step beside the
 cost model's prediction for the policy it ran (`--policy auto`: the one the search picked).
+With `--accum G` an optimizer step takes G x batch sequences: PEFT accumulates the gradients
+of G micro-batches of `batch` (the loss of each over G, as one mean), flexoff runs them as one
+micro-batch of G x batch, each weight load serving all of them.
 """
 
 from __future__ import annotations
@@ -39,13 +42,18 @@ def batches(vocab: int, batch: int, seq: int, count: int, seed: int) -> list[tor
 def timed_steps(args: argparse.Namespace, vocab: int, step: Any) -> tuple[list[float], float]:
     """Each batch's loss from step(ids), and the seconds of the steps after the warm-up ones."""
     losses, t0 = [], 0.0
-    for i, ids in enumerate(batches(vocab, args.batch, args.seq, args.warmup + args.steps, args.seed)):
+    for i, ids in enumerate(batches(vocab, per_step(args), args.seq, args.warmup + args.steps, args.seed)):
         if i == args.warmup:
             torch.cuda.synchronize()
             t0 = time.perf_counter()
         losses.append(step(ids))
     torch.cuda.synchronize()
     return losses, time.perf_counter() - t0
+
+
+def per_step(args: argparse.Namespace) -> int:
+    """Sequences per optimizer step."""
+    return args.batch * args.accum
 
 
 def predict_training(spec: Any, hw: Any, p: Any, seq: int, batch: int, rank: float) -> Any:
@@ -72,7 +80,7 @@ def flexoff_run(args: argparse.Namespace) -> dict[str, Any]:
     from flexoff.finetune.trainer import LoraTrainer, TrainConfig
     from throughput import parse_policy
 
-    policy = parse_policy(args.policy) if args.policy else Policy(gpu_batch_size=args.batch)
+    policy = parse_policy(args.policy) if args.policy else Policy(gpu_batch_size=args.batch, num_gpu_batches=args.accum)
     if args.compress_weight and policy != "auto":
         policy = replace(policy, compress_weight=True)
     with LLM(args.model, policy=policy, device="cuda", dtype=torch.float16, gpu_mem=args.gpu_mem,
@@ -82,20 +90,20 @@ def flexoff_run(args: argparse.Namespace) -> dict[str, Any]:
         folder = Path(args.work) / "fresh"
         new_adapter(spec, LoraSpec(args.rank, 2 * args.rank, linear_targets(spec)), folder, 0)
         llm.load_lora("train", str(folder))
-        trainer = LoraTrainer(llm, "train", TrainConfig(lr=1e-4, batch_size=args.batch), args.seq)
+        trainer = LoraTrainer(llm, "train", TrainConfig(lr=1e-4, batch_size=per_step(args)), args.seq)
         def step(ids: torch.Tensor) -> float:
             return trainer.step([Example(row.tolist(), [False] + [True] * (args.seq - 1)) for row in ids])
 
         losses, sec = timed_steps(args, spec.vocab_size, step)
-        link = link_use(llm, step, batches(spec.vocab_size, args.batch, args.seq, 1, args.seed + 2)[0])
+        link = link_use(llm, step, batches(spec.vocab_size, per_step(args), args.seq, 1, args.seed + 2)[0])
         if args.profile:
-            profile(args, step, batches(spec.vocab_size, args.batch, args.seq, 1, args.seed + 1)[0])
+            profile(args, step, batches(spec.vocab_size, per_step(args), args.seq, 1, args.seed + 1)[0])
         used = llm.last_policy
         hw = profiler.load(args.hardware, None)
-        pred = predict_training(spec, hw, used, args.seq, args.batch, llm.adapter_rank("train"))
-        step_s, planned = sec / args.steps, args.batch * args.seq / pred.throughput  # a micro-batch's blocks
+        pred = predict_training(spec, hw, used, args.seq, per_step(args), llm.adapter_rank("train"))
+        step_s, planned = sec / args.steps, per_step(args) * args.seq / pred.throughput  # a micro-batch's blocks
         return {"system": "flexoff", "policy": used.describe(), "auto": policy == "auto",
-                "step_s": step_s, "train_tokens_per_s": args.steps * args.batch * args.seq / sec,
+                "step_s": step_s, "train_tokens_per_s": args.steps * per_step(args) * args.seq / sec,
                 "predicted_step_s": planned, "predicted_forward_s": pred.prefill_s,
                 "predicted_reverse_s": pred.decode_s, "predicted_bottleneck": pred.bottleneck, "hardware": hw.name,
                 "step/predicted": step_s / planned,
@@ -193,21 +201,23 @@ def peft_run(args: argparse.Namespace) -> dict[str, Any]:
     opt = torch.optim.AdamW(params, lr=1e-4)
 
     def step(ids: torch.Tensor) -> float:
-        ids = ids.cuda()
-        with torch.autocast("cuda", dtype=torch.float16):
-            loss = pm(input_ids=ids, labels=ids).loss
-        loss.backward()
+        total = 0.0
+        for micro in ids.cuda().split(args.batch):  # equal lengths, every token labelled: the mean of means
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = pm(input_ids=micro, labels=micro).loss / args.accum
+            loss.backward()
+            total += float(loss)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return float(loss)
+        return total
 
     losses, sec = timed_steps(args, spec.vocab_size, step)
     frozen = [k for k, v in device_map.items() if ".lora_" not in k]
     on_gpu = sum(1 for k in frozen if device_map[k] == 0)
     return {"system": "peft", "policy": f"{on_gpu} of {len(frozen)} frozen modules on the GPU"
                                         + (", the rest offloaded, checkpointed layers" if offloaded else ""),
-            "step_s": sec / args.steps, "train_tokens_per_s": args.steps * args.batch * args.seq / sec,
+            "step_s": sec / args.steps, "train_tokens_per_s": args.steps * per_step(args) * args.seq / sec,
             "losses": losses, "peak_gpu_bytes": torch.cuda.max_memory_allocated()}
 
 
@@ -224,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compress-weight", action="store_true", help="flexoff: 4-bit base weights")
     ap.add_argument("--profile", default=None, help="write a torch.profiler table of one more flexoff step here")
     ap.add_argument("--rank", type=int, default=16)
-    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=8, help="sequences per micro-batch")
+    ap.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step")
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
@@ -251,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     peft = next((r for r in rows if r["system"] == "peft" and "error" not in r), None)
     for r in rows:
-        r.update(model=args.model, rank=args.rank, batch=args.batch, seq=args.seq, steps=args.steps,
+        r.update(model=args.model, rank=args.rank, batch=args.batch, accum=args.accum, seq=args.seq, steps=args.steps,
                  compress_weight=args.compress_weight and r["system"] == "flexoff", **env)
         r["vs_peft"] = r["train_tokens_per_s"] / peft["train_tokens_per_s"] if peft and "error" not in r else None
     print(table(rows, ["system", "policy", "step_s", "predicted_step_s", "train_tokens_per_s", "link_busy",
