@@ -10,9 +10,10 @@ model weights placed on the GPU (`--peft-gpu-mem` caps the GPU as Accelerate's d
 does, for models that do not fit). Training tokens per second over `steps` timed steps after
 `warmup` steps; the loss of every step is written beside them, and flexoff's step beside the
 cost model's prediction for the policy it ran (`--policy auto`: the one the search picked).
-With `--accum G` an optimizer step takes G x batch sequences: PEFT accumulates the gradients
-of G micro-batches of `batch` (the loss of each over G, as one mean), flexoff runs them as one
-micro-batch of G x batch, each weight load serving all of them.
+With `--accum G` an optimizer step takes G micro-batches of `batch` sequences: PEFT accumulates
+their gradients (the loss of each over G, as one mean); flexoff's trainer takes them with
+`grad_accum=G`, and under `--policy auto` plans its block for the whole step (each weight load
+serving all of them, where the budget holds them).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def flexoff_run(args: argparse.Namespace) -> dict[str, Any]:
     from flexoff.finetune.trainer import LoraTrainer, TrainConfig
     from throughput import parse_policy
 
-    policy = parse_policy(args.policy) if args.policy else Policy(gpu_batch_size=args.batch, num_gpu_batches=args.accum)
+    policy = parse_policy(args.policy) if args.policy else Policy(gpu_batch_size=args.batch)
     if args.compress_weight and policy != "auto":
         policy = replace(policy, compress_weight=True)
     with LLM(args.model, policy=policy, device="cuda", dtype=torch.float16, gpu_mem=args.gpu_mem,
@@ -90,7 +91,8 @@ def flexoff_run(args: argparse.Namespace) -> dict[str, Any]:
         folder = Path(args.work) / "fresh"
         new_adapter(spec, LoraSpec(args.rank, 2 * args.rank, linear_targets(spec)), folder, 0)
         llm.load_lora("train", str(folder))
-        trainer = LoraTrainer(llm, "train", TrainConfig(lr=1e-4, batch_size=per_step(args)), args.seq)
+        cfg = TrainConfig(lr=1e-4, batch_size=args.batch, grad_accum=args.accum)
+        trainer = LoraTrainer(llm, "train", cfg, args.seq)
         def step(ids: torch.Tensor) -> float:
             return trainer.step([Example(row.tolist(), [False] + [True] * (args.seq - 1)) for row in ids])
 

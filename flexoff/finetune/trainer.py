@@ -121,18 +121,26 @@ class LoraTrainer:
         gradients and loss into the step, as parts of a step of `tokens` labelled tokens."""
         llm = self.llm
         max_len = max(self.max_len, *(len(e.ids) for e in examples))
-        policy = llm.choose_policy_for_training(min(len(examples), self.cfg.batch_size), max_len, self.name)
+        rows = min(len(examples), self._planned_rows())
+        policy = llm.choose_policy_for_training(rows, max_len, self.name)
         llm.last_policy = policy
         pool = llm.adapter_pool()
         engine = llm.engine_for(policy, max_len, 1, training=True, need=pool.need([[self.name]]))
         engine.adapters = pool
-        gbs, per_block = policy.gpu_batch_size, min(policy.block_size, self.cfg.batch_size)
+        gbs, per_block = policy.gpu_batch_size, min(policy.block_size, rows)
         for b0 in range(0, len(examples), per_block):
             chunk = examples[b0:b0 + per_block]
             S = max(len(e.ids) for e in chunk)  # one padded length for the block's GPU batches
             res = engine.run_train([batch_input(chunk[i:i + gbs], self.name, S) for i in range(0, len(chunk), gbs)])
             # this block's losses were averaged over its own tokens
             self.accumulate(res.lora_grads, res.loss, res.tokens / tokens)
+
+    def _planned_rows(self) -> int:
+        """Sequences a block may take: under --policy auto the whole optimizer step's (its
+        micro-batches share each pair of weight sweeps where the searched block, which fits the
+        memory budget, holds them); else a micro-batch's, as the policy given or the default
+        one is sized."""
+        return self.cfg.per_step if self.llm.policy_arg == "auto" else self.cfg.batch_size
 
     def accumulate(self, lora_grads: dict[tuple[int, str], dict[str, list[torch.Tensor]]], loss: float,
                    weight: float) -> None:
@@ -171,7 +179,7 @@ class LoraTrainer:
         """The adapter's mean loss over the labelled tokens of these examples (no update): the
         log-probabilities of the inference path, through the same adapter."""
         prompts = [{"id": str(n), "prompt_ids": e.ids, "adapter": self.name} for n, e in enumerate(examples)]
-        policy = self.llm.choose_policy_for_training(self.cfg.batch_size, self.max_len, self.name) \
+        policy = self.llm.choose_policy_for_training(self._planned_rows(), self.max_len, self.name) \
             if self.llm.policy_arg == "auto" else None  # the training engine's, not a search for inference
         out = self.llm.generate(prompts, max_new_tokens=0, prompt_logprobs=True, policy=policy).completions
         total = count = 0.0

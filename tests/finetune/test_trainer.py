@@ -179,6 +179,39 @@ def test_policy_auto_plans_an_offloaded_training_step_and_equals_peft(tiny, tmp_
         assert abs(a - b) < 1e-4 * abs(b), (policy.describe(), ours, want)
 
 
+def test_under_auto_a_steps_micro_batches_share_the_weight_sweeps(tiny, tmp_path, monkeypatch):
+    """--policy auto with gradient accumulation (two micro-batches of two): the search plans the
+    block for the whole step, whose four sequences then run through one pair of weight sweeps
+    (one engine call), and the steps still equal PEFT's batches of four."""
+    from flexoff.checkpoint import load_model
+    from flexoff.offload.engine import Engine
+    from flexoff.policy.hardware import h200, save
+
+    path = tiny["llama"].path
+    init = _peft_init(path, tmp_path / "init", ["q_proj", "v_proj", "down_proj"], 3)
+    hw = h200()
+    profile = tmp_path / "hw.json"
+    save(hw.__class__(**{**hw.__dict__, "device": "cpu", "name": "test"}), profile)
+    s = load_model(str(path)).spec
+    gpu_mem = s.weight_bytes(4) * 3 // 4 + s.working_bytes(4, 16, 4, "cpu")  # weights streamed: sweeps cost
+    rows: list[int] = []
+    run_train = Engine.run_train
+    monkeypatch.setattr(Engine, "run_train", lambda self, batches: rows.append(sum(len(b.ids) for b in batches))
+                        or run_train(self, batches))
+    cfg = TrainConfig(lr=5e-3, batch_size=2, grad_accum=2, max_grad_norm=0.5)
+    with LLM(str(path), policy="auto", hardware=str(profile), gpu_mem=gpu_mem, cpu_mem=1 << 30,
+             lora={"mine": init}) as llm:
+        ex = [to_example({"text": t}, llm.tokenizer, "t", 64) for t in TEXTS]
+        groups = [ex[0:4], ex[2:6]]
+        trainer = LoraTrainer(llm, "mine", cfg, max(len(e.ids) for e in ex))
+        ours = [trainer.step(groups[n % 2]) for n in range(4)]
+        policy = llm.last_policy
+    assert rows == [4] * 4 and policy.block_size >= 4 and policy.w_gpu_percent < 100, (rows, policy.describe())
+    want, _ = peft_losses(path, init, [batch_input(g, "mine") for g in groups], cfg, 4)
+    for a, b in zip(ours, want):
+        assert abs(a - b) < 1e-4 * abs(b), (policy.describe(), ours, want)
+
+
 def test_four_bit_base_trains_as_peft_on_the_dequantized_weights(tiny, tmp_path):
     """QLoRA-style: with --compress-weight the frozen base is the 4-bit one; the steps equal PEFT
     training on a model whose matmul weights are replaced by their 4-bit round trip (quant's
