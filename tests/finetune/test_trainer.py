@@ -149,21 +149,36 @@ def _peft_init(path, folder, targets, seed):
     return str(folder)
 
 
-def test_policy_auto_plans_an_offloaded_training_step_and_equals_peft(tiny, tmp_path):
-    """--policy auto for training under a small "GPU" budget: the searched policy streams part of
-    the weights and places the stash off the compute tier, and the steps still equal PEFT's; the
-    eval on the training engine needs no second search."""
+def _streaming_budget(path, tmp_path):
+    """The H200 profile as a CPU device's (saved under tmp_path), and a "GPU" budget that holds
+    three quarters of the model's weights and the work of four sequences of 16 tokens."""
     from flexoff.checkpoint import load_model
     from flexoff.policy.hardware import h200, save
 
-    path = tiny["llama"].path
-    init = _peft_init(path, tmp_path / "init", ["q_proj", "v_proj", "down_proj"], 0)
     hw = h200()
     profile = tmp_path / "hw.json"
     save(hw.__class__(**{**hw.__dict__, "device": "cpu", "name": "test"}), profile)
     s = load_model(str(path)).spec
-    gpu_mem = s.weight_bytes(4) * 3 // 4 + s.working_bytes(4, 16, 4, "cpu")  # not all the weights fit
-    cfg = TrainConfig(lr=5e-3, batch_size=4, max_grad_norm=0.5)
+    return profile, s.weight_bytes(4) * 3 // 4 + s.working_bytes(4, 16, 4, "cpu")
+
+
+@pytest.mark.parametrize("batch,accum", [(4, 1), (2, 2)])
+def test_policy_auto_plans_an_offloaded_training_step_and_equals_peft(tiny, tmp_path, monkeypatch, batch, accum):
+    """--policy auto for training under a small "GPU" budget: the searched policy streams part of
+    the weights and places the stash off the compute tier, and the steps still equal PEFT's
+    batches of four; the eval on the training engine needs no second search. With gradient
+    accumulation (two micro-batches of two) the search plans the block for the whole step, whose
+    four sequences run through one pair of weight sweeps (one engine call), not one per micro-batch."""
+    from flexoff.offload.engine import Engine
+
+    path = tiny["llama"].path
+    init = _peft_init(path, tmp_path / "init", ["q_proj", "v_proj", "down_proj"], 0)
+    profile, gpu_mem = _streaming_budget(path, tmp_path)
+    rows: list[int] = []
+    run_train = Engine.run_train
+    monkeypatch.setattr(Engine, "run_train", lambda self, batches: rows.append(sum(len(b.ids) for b in batches))
+                        or run_train(self, batches))
+    cfg = TrainConfig(lr=5e-3, batch_size=batch, grad_accum=accum, max_grad_norm=0.5)
     with LLM(str(path), policy="auto", hardware=str(profile), gpu_mem=gpu_mem, cpu_mem=1 << 30,
              lora={"mine": init}) as llm:
         ex = [to_example({"text": t}, llm.tokenizer, "t", 64) for t in TEXTS]
@@ -174,40 +189,8 @@ def test_policy_auto_plans_an_offloaded_training_step_and_equals_peft(tiny, tmp_
         trainer.eval_loss(ex[:2])
         assert llm.engine is engine  # evaluated on the training engine
     assert policy.w_gpu_percent < 100 and policy.stash_gpu_percent < 100 and llm.training_prediction is not None
+    assert rows == [4] * 8, (rows, policy.describe())
     want, _ = peft_losses(path, init, [batch_input(g, "mine") for g in groups], cfg, 8)
-    for a, b in zip(ours, want):
-        assert abs(a - b) < 1e-4 * abs(b), (policy.describe(), ours, want)
-
-
-def test_under_auto_a_steps_micro_batches_share_the_weight_sweeps(tiny, tmp_path, monkeypatch):
-    """--policy auto with gradient accumulation (two micro-batches of two): the search plans the
-    block for the whole step, whose four sequences then run through one pair of weight sweeps
-    (one engine call), and the steps still equal PEFT's batches of four."""
-    from flexoff.checkpoint import load_model
-    from flexoff.offload.engine import Engine
-    from flexoff.policy.hardware import h200, save
-
-    path = tiny["llama"].path
-    init = _peft_init(path, tmp_path / "init", ["q_proj", "v_proj", "down_proj"], 3)
-    hw = h200()
-    profile = tmp_path / "hw.json"
-    save(hw.__class__(**{**hw.__dict__, "device": "cpu", "name": "test"}), profile)
-    s = load_model(str(path)).spec
-    gpu_mem = s.weight_bytes(4) * 3 // 4 + s.working_bytes(4, 16, 4, "cpu")  # weights streamed: sweeps cost
-    rows: list[int] = []
-    run_train = Engine.run_train
-    monkeypatch.setattr(Engine, "run_train", lambda self, batches: rows.append(sum(len(b.ids) for b in batches))
-                        or run_train(self, batches))
-    cfg = TrainConfig(lr=5e-3, batch_size=2, grad_accum=2, max_grad_norm=0.5)
-    with LLM(str(path), policy="auto", hardware=str(profile), gpu_mem=gpu_mem, cpu_mem=1 << 30,
-             lora={"mine": init}) as llm:
-        ex = [to_example({"text": t}, llm.tokenizer, "t", 64) for t in TEXTS]
-        groups = [ex[0:4], ex[2:6]]
-        trainer = LoraTrainer(llm, "mine", cfg, max(len(e.ids) for e in ex))
-        ours = [trainer.step(groups[n % 2]) for n in range(4)]
-        policy = llm.last_policy
-    assert rows == [4] * 4 and policy.block_size >= 4 and policy.w_gpu_percent < 100, (rows, policy.describe())
-    want, _ = peft_losses(path, init, [batch_input(g, "mine") for g in groups], cfg, 4)
     for a, b in zip(ours, want):
         assert abs(a - b) < 1e-4 * abs(b), (policy.describe(), ours, want)
 
