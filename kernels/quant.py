@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from flexoff.quant.format import QuantConfig
+from flexoff.quant.format import QuantConfig, padded
 from flexoff.quant.format import dequantize_rows as dequantize_rows_ref
 from flexoff.quant.format import quantize_rows as quantize_rows_ref
 
@@ -302,12 +302,12 @@ def kv_encode_triton(k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, cfg: Q
     quantize into three tensors and a concatenation)."""
     k, v = _rows_ok(k), _rows_ok(v)
     R, H, S, D = k.shape
-    code_bytes = (-(-D // cfg.group) * cfg.group) * cfg.bits // 8
+    Dp = padded(D, cfg.group)
     assert out.is_contiguous() and out.dtype == torch.uint8 and out.shape[:2] == (S, R) and out.shape[2] % 2 == 0
     M, t = S * R * 2 * H, {**KV_ENCODE_TILE, **tile}
-    grid = (triton.cdiv(M, t["BM"]), -(-D // cfg.group))
+    grid = (triton.cdiv(M, t["BM"]), Dp // cfg.group)
     _kv_encode_kernel[grid](k, v, out, out.view(torch.float16), M, R, H, D, k.stride(0), k.stride(1), k.stride(2),
-                            v.stride(0), v.stride(1), v.stride(2), out.shape[2], code_bytes,
+                            v.stride(0), v.stride(1), v.stride(2), out.shape[2], Dp * cfg.bits // 8,
                             GROUP=cfg.group, BITS=cfg.bits, BM=t["BM"], num_warps=t["num_warps"])
 
 

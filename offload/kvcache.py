@@ -32,7 +32,7 @@ class KVCodec(Protocol):
 
     def write(self, buf: torch.Tensor, rows: int, t: int, k: torch.Tensor, v: torch.Tensor) -> None: ...
     def read(self, buf: torch.Tensor, rows: int, t: int) -> tuple[torch.Tensor, torch.Tensor]: ...
-    def encode(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor: ...
+    def encode(self, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 def records(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -81,10 +81,12 @@ class PlainKV:
         x = self._view(buf, rows, t)
         return x[:, :, 0].permute(1, 2, 0, 3), x[:, :, 1].permute(1, 2, 0, 3)
 
-    def encode(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Records of k, v (rows, kv_heads, s, head_dim) as contiguous (s, rows, rec) bytes."""
+    def encode(self, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Records of k, v (rows, kv_heads, s, head_dim) as contiguous (s, rows, rec) bytes (into
+        `out` where given)."""
         x = records(k, v)
-        return x.view(torch.uint8).view(x.shape[0], x.shape[1], self.rec_bytes)
+        recs = x.view(torch.uint8).view(x.shape[0], x.shape[1], self.rec_bytes)
+        return recs if out is None else out.copy_(recs)
 
 
 class HeadMajorKV:
@@ -191,18 +193,24 @@ class KVStore:
         the GPU waits for an event marked after the records it copies are encoded (not merely
         after k and v exist: the encode is compute too, and a copy that starts before it ends
         reads unwritten memory)."""
-        s, rec = k.shape[2], self.codec.rec_bytes
-        whole = self.codec.encode(k, v) if self.codec.lossy else None  # (s, n, rec)
-        for tier, r0, r1 in self.segments(n):
+        s, rec, segs = k.shape[2], self.codec.rec_bytes, self.segments(n)
+        whole = None  # a lossy codec's records of all n rows, (s, n, rec), encoded once
+        if self.codec.lossy:
+            gpu_only = [tier for tier, _, _ in segs] == ["gpu"]
+            home = self.homes[li][kb]["gpu"].buf[:s * n * rec].view(s, n, rec) if gpu_only else None
+            whole = self.codec.encode(k, v, out=home)  # where the GPU holds them all, in place
+        for tier, r0, r1 in segs:
             seg, rows = self.homes[li][kb][tier], r1 - r0
+            # a tier's rows of the records: a strided copy, in words as wide as a record allows
+            part = None if whole is None else wide(whole)[:, r0:r1]
             if tier == "gpu":
                 if whole is None:
                     self.codec.write(seg.buf, rows, 0, k[r0:r1], v[r0:r1])
-                else:
-                    seg.buf[:s * rows * rec].view(s, rows, rec).copy_(whole[:, r0:r1])
+                elif not gpu_only:
+                    wide(seg.buf[:s * rows * rec].view(s, rows, rec)).copy_(part)
                 continue
-            if whole is not None:  # a strided copy, in words as wide as the records allow (not bytewise)
-                enc = wide(whole)[:, r0:r1].contiguous()
+            if part is not None:
+                enc = part.contiguous()
             elif tier == "cpu" and self.head_major:  # the prompt area: keys then values, one copy
                 enc = torch.stack((k[r0:r1], v[r0:r1])).contiguous()  # (2, rows, kv_heads, s, d)
             else:
