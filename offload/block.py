@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from flexoff.models.attention import positions, prefill_mask
-from flexoff.models.base import Family, Weights
+from flexoff.models.base import Family, Weights, materialize
 from flexoff.offload.lanes import Event
 
 if TYPE_CHECKING:
@@ -202,6 +202,17 @@ class BlockRun:
         self.lora_grads: dict[tuple[int, str], dict[str, list[torch.Tensor]]] = {}
         # (layer, batch) -> a kept graph: the layer's output, its input leaf, its LoRA leaves
         self.graphs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, list[Any]]] = {}
+        # (sweep, layer) -> that layer's weights with compressed ones dequantized, for its GPU batches
+        self._dense: tuple[tuple[int, int], dict[str, Any]] | None = None
+
+    def dequantized(self, key: tuple[int, int], w: Mapping[str, Any]) -> dict[str, Any]:
+        """Layer weights `w` with compressed ones dequantized, made once per (sweep, layer) `key`
+        and kept for the sweep's GPU batches until another layer's replace them: one layer's at
+        a time (what the memory plan counts), on the compute stream that reads them."""
+        if self._dense is None or self._dense[0] != key:
+            self._dense = None  # the last layer's are freed before these are made
+            self._dense = (key, {n: materialize(v) for n, v in w.items()})
+        return self._dense[1]
 
     def finish_where(self, which: Callable[[Pending], bool]) -> None:
         """Finish the pending CPU attention calls `which` picks, oldest first: wait for each and

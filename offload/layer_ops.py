@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 
 from flexoff.kernels.attention import decode_attention
+from flexoff.kernels.quant import FUSED_MAX_ROWS
 from flexoff.models.attention import attend, attend_cached
 from flexoff.models.base import materialize
 from flexoff.offload.adapters import LoraLinear
@@ -69,6 +70,7 @@ class LayerOp:
     """The steps of one layer j. Subclasses say what their compute is."""
 
     graphs = True  # a training window may keep this layer's autograd graph (engine.keep_graphs)
+    whole_prompt = True  # a prefill step computes every prompt token (the head: each row's last)
 
     def __init__(self, engine: "Engine", j: int):
         self.e, self.j = engine, j
@@ -93,7 +95,7 @@ class LayerOp:
         """Layer j's weights and input for this batch, the compute stream waiting for both; in a
         training window the input is also stashed for the reverse sweep."""
         e = self.e
-        w, deps = self._weights(run, step.k)
+        w, deps = self._weights(run, step.k, step.i if self._shares_dequantized(run, step) else None)
         h, hdeps = e.hidden.take(step.k, self.j)
         e.lanes.compute.wait(deps + hdeps)
         if run.trains[step.k] and not (e.keep_graphs and self.graphs):
@@ -118,11 +120,25 @@ class LayerOp:
         self.e.weights.was_read(self.j, ev)
         self.e.hidden.put(step.k, self.j, h, ev)
 
-    def _weights(self, run: BlockRun, k: int) -> tuple[Mapping[str, Any], list[Event]]:
-        """Layer j's weights for batch k (with its rows' LoRA adapters), and what to wait for."""
+    def _shares_dequantized(self, run: BlockRun, step: Step) -> bool:
+        """Whether this step reads its layer's compressed weights dequantized once for all of the
+        sweep's GPU batches: an inference step of a block of several batches at matmul shapes
+        (more rows than the fused kernel takes, which dequantizes in registers instead)."""
+        if not self.e.policy.compress_weight or len(run.states) < 2 or run.trains[step.k]:
+            return False
+        st = run.states[step.k]
+        return st.n * (st.S if step.i == 0 and self.whole_prompt else 1) > FUSED_MAX_ROWS
+
+    def _weights(self, run: BlockRun, k: int, sweep: int | None = None) -> tuple[Mapping[str, Any], list[Event]]:
+        """Layer j's weights for batch k (with its rows' LoRA adapters), and what to wait for;
+        with `sweep`, compressed ones dequantized once for that sweep's batches (the compute
+        stream then waits for their load here)."""
         e = self.e
         e.stage(run, self.j)  # a no-op if staged already
         w, deps = e.weights.get(self.j)
+        if sweep is not None:
+            e.lanes.compute.wait(deps)
+            w, deps = run.dequantized((sweep, self.j), w), []
         ba = run.adapters[k]
         if ba:
             w = e.adapters.adapt(self.j, w, ba.ids, ba.present, e.weights.slot_of(self.j), ba.host)
@@ -204,6 +220,7 @@ class MlpOp(LayerOp):
 
 
 class HeadOp(LayerOp):
+    whole_prompt = False
     graphs = False  # the loss task keeps what it needs; its backward reads the stashed input
 
     def forward(self, run: BlockRun, step: Step) -> None:

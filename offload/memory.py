@@ -85,8 +85,8 @@ def plan_memory(spec: ModelSpec, layouts: list[Layout], kv_rec_bytes: int, polic
     plan.add("buffers", {"cpu": pinned})
     device = "cuda" if cuda else "cpu"
     working = spec.working_bytes(policy.gpu_batch_size, max_prompt, elem, device) + (GPU_RESERVE if cuda else 0)
-    if policy.compress_weight:  # a weight dequantized for a matmul; in training, a layer's for autograd
-        working += spec.largest_layer_matmul_bytes(elem) if training else spec.largest_matmul_bytes(elem)
+    if policy.compress_weight:  # a weight dequantized for a matmul, or a layer's (autograd; shared by batches)
+        working += spec.dequantized_bytes(elem, training or policy.num_gpu_batches > 1)
     working += spec.inflight_bytes(policy.gpu_batch_size, max_prompt, elem)
     plan.add("working", {"gpu": working})
     sends = link_bytes(spec, policy.gpu_batch_size, max_prompt, elem)  # a pipeline stage's

@@ -20,7 +20,8 @@ Names follow the FlexGen paper:
 | bls, gbs | block size (gbs x number of GPU batches), GPU batch size |
 | h1, h2, nh | hidden size, MLP hidden size, attention heads |
 | ctog_bdw, gtoc_bdw, dtoc_bdw, ctod_bdw | CPU->GPU, GPU->CPU, disk->CPU, CPU->disk bandwidths |
-| mm_flops, bmm_flops | GPU matmul and batched-matmul FLOP/s (p: prefill shapes, g: decode) |
+| mm_flops, bmm_flops | GPU matmul and batched-matmul FLOP/s (p: prefill shapes, at the model's hidden size where measured; g: decode) |
+| E, gpu_mem_bdw | a layer's elementwise bytes per token (norms, residuals, activations, head moves) over the device's rate for them (not in FlexGen) |
 | cpu_flops, cpu_attn_bdw | CPU attention FLOP/s, and the KV bytes/s it reads |
 | cpu_mem_bdw | host memory bytes/s that the link's copies and CPU attention's reads share (decode pairs with CPU attention; not in FlexGen) |
 | ctog, gtoc, dtoc, ctod, comp | a layer's seconds of each transfer, and of compute |
@@ -114,6 +115,10 @@ class CostModel:
         self.W = {k: layer_bytes(spec.layers[first[k]], eb, wq) if first[k] is not None else 0 for k in KINDS}
         self.W_dense = {k: layer_bytes(spec.layers[first[k]], eb) if first[k] is not None else 0 for k in KINDS}
         self.F = {k: spec.linear_flops(first[k]) if first[k] is not None else 0 for k in KINDS}  # per token
+        self.mm_p = hw.prefill_mm_flops(spec.hidden_size)  # FLOP/s of matmuls at this model's prefill shapes
+        # seconds per token of each kind's elementwise passes (0 where the profile has no rate)
+        self.E = {k: spec.elementwise_bytes(first[k], eb) / hw.gpu_mem_bdw if first[k] is not None and hw.gpu_mem_bdw
+                  else 0.0 for k in KINDS}
         self.kv = kv_record_bytes(spec.num_kv_heads, spec.head_dim, eb, kq)  # stored, per token per layer
         self.kv_dense = kv_record_bytes(spec.num_kv_heads, spec.head_dim, eb)
         self.A = spec.hidden_size * eb  # activation bytes per token
@@ -179,8 +184,8 @@ class CostModel:
                     "ctod": x["hd"] * act * h_out / hw.ctod_bdw_hidden,
                 }
                 rows = 1 if (stage == "p" and k == "head") else tok  # the head sees the last token only
-                gpu = bls * rows * (self.F[k] + self.lora_F[k]) / (hw.mm_flops_p if stage == "p" else hw.mm_flops_g) \
-                    + deq_w
+                gpu = bls * rows * (self.F[k] + self.lora_F[k]) / (self.mm_p if stage == "p" else hw.mm_flops_g) \
+                    + deq_w + bls * rows * self.E[k]
                 cpu = 0.0
                 if attn and stage == "p":
                     t["gtoc"] += (x["cc"] + x["cd"]) * bls * s * self.kv / hw.gtoc_bdw_cache
@@ -269,8 +274,8 @@ class CostModel:
         act = ch.bls * s * self.A
         working = self.spec.working_bytes(ch.gpu_batch_size, s, self.work.elem_bytes, self.hw.device)
         working += GPU_RESERVE if self.hw.device == "cuda" else 0
-        if ch.compress_weight:  # a compressed weight is dequantized into a temporary at prefill
-            working += self.spec.largest_matmul_bytes(self.work.elem_bytes)
+        if ch.compress_weight:  # dequantized at matmul shapes: a weight, or a layer its GPU batches share
+            working += self.spec.dequantized_bytes(self.work.elem_bytes, ch.num_gpu_batches > 1)
         working += self.spec.inflight_bytes(ch.gpu_batch_size, s, self.work.elem_bytes)
         cache = self.cache_memory(x)
         return {

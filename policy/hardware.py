@@ -30,6 +30,7 @@ import torch
 from flexoff.errors import FlexoffError
 
 GB = 1e9
+UNMEASURED_ZERO = ("host_step_s", "lora_host_step_s", "gpu_mem_bdw")  # fields that may be 0
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,18 @@ class Hardware:
     cpu_dequant_bdw: float  # ... on the CPU (CPU attention over a compressed cache)
     host_step_s: float = 0.0  # seconds of host work per engine step (one layer of one GPU batch)
     lora_host_step_s: float = 0.0  # ... that LoRA adapters on the batch's rows add to a step
+    # FLOP/s of prefill matmuls at a transformer layer's shapes (its projections with biases, as the
+    # engine calls them), by hidden size: ((hidden, FLOP/s), ...); empty: mm_flops_p at any size
+    mm_flops_p_layers: tuple[tuple[int, float], ...] = ()
+    gpu_mem_bdw: float = 0.0  # bytes/s (read plus written) of the device's elementwise passes; 0: unpriced
+
+    def prefill_mm_flops(self, hidden: int) -> float:
+        """FLOP/s of prefill matmuls for a model of this hidden size: the rate measured at the
+        nearest hidden size of mm_flops_p_layers (GEMM efficiency depends on the shapes: on the
+        H200, 740 TFLOP/s at hidden 4096 and 635-675 at 7168), else mm_flops_p."""
+        if not self.mm_flops_p_layers:
+            return self.mm_flops_p
+        return min(self.mm_flops_p_layers, key=lambda e: abs(math.log(e[0] / hidden)))[1]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -69,13 +82,23 @@ class Hardware:
         missing = sorted(known - optional - set(d))
         if missing:
             raise FlexoffError(f"hardware profile lacks {', '.join(missing)}; run `flexoff profile` again")
+        d = dict(d)
+        table = d.get("mm_flops_p_layers", ())
+        if not (isinstance(table, (list, tuple)) and all(
+                isinstance(e, (list, tuple)) and len(e) == 2 and all(
+                    isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0 for x in e)
+                for e in table)):
+            raise FlexoffError(f"hardware profile: mm_flops_p_layers is {table!r}; run `flexoff profile` again")
+        d["mm_flops_p_layers"] = tuple((int(h), float(f)) for h, f in table)
         for f in fields(cls):
             v = d.get(f.name)
+            if f.name == "mm_flops_p_layers":
+                continue
             if f.name in ("name", "device"):
                 ok = isinstance(v, str) and (f.name == "name" or v in ("cuda", "cpu"))
             else:  # rates and sizes: finite, positive (the host steps may be 0)
                 ok = v is None and f.name in optional or isinstance(v, (int, float)) and not isinstance(v, bool) \
-                    and math.isfinite(v) and (v > 0 or f.name in ("host_step_s", "lora_host_step_s") and v == 0)
+                    and math.isfinite(v) and (v > 0 or f.name in UNMEASURED_ZERO and v == 0)
             if not ok:
                 raise FlexoffError(f"hardware profile: {f.name} is {v!r}; run `flexoff profile` again")
         return cls(**{k: d[k] for k in known if k in d})
@@ -195,6 +218,8 @@ def measure(offload_dir: str | None = None, size: int = 512 << 20, quick: bool =
 
     h = 4096 if cuda and not quick else (1024 if not quick else 256)
     mm_p, mm_g = mm(2048, h, 4 * h), mm(32, h, 4 * h)
+    hiddens = (4096, 5120, 7168, 8192) if cuda and not quick else ((512, 1024) if not quick else (128,))
+    layers = tuple((hd, _layer_mm(dev, dtype, hd, 16384 if cuda and not quick else 256, sync)) for hd in hiddens)
     bmm_p, bmm_g = (bmm(64, 512, 128, 512), bmm(1024, 1, 128, 1024)) if not quick else \
         (bmm(8, 64, 64, 64), bmm(64, 1, 64, 256))
     cpu_attn, cpu_flops = _cpu_attention(quick)
@@ -207,7 +232,35 @@ def measure(offload_dir: str | None = None, size: int = 512 << 20, quick: bool =
                     ctog_bdw=ctog, gtoc_bdw_cache=gtoc, gtoc_bdw_hidden=gtoc, dtoc_bdw=dread,
                     ctod_bdw_cache=dwrite, ctod_bdw_hidden=dwrite, mm_flops_p=mm_p, mm_flops_g=mm_g,
                     bmm_flops_p=bmm_p, bmm_flops_g=bmm_g, cpu_flops=cpu_flops, cpu_attn_bdw=cpu_attn,
-                    cpu_mem_bdw=cpu_mem, dequant_bdw=deq, cpu_dequant_bdw=cpu_deq)
+                    cpu_mem_bdw=cpu_mem, dequant_bdw=deq, cpu_dequant_bdw=cpu_deq, mm_flops_p_layers=layers,
+                    gpu_mem_bdw=_elementwise(dev, dtype, sync, quick))
+
+
+def _layer_mm(dev: torch.device, dtype: torch.dtype, h: int, rows: int, sync: Callable[[], None]) -> float:
+    """FLOP/s over a transformer layer's projections at prefill shapes, as the engine calls them
+    (F.linear with a bias): q, k, v together (h -> 3h), the output (h -> h), up (h -> 4h), down
+    (4h -> h), on `rows` tokens; total FLOPs over total seconds."""
+    x, xf = torch.randn(rows, h, device=dev, dtype=dtype), torch.randn(rows, 4 * h, device=dev, dtype=dtype)
+    flops = secs = 0.0
+    for inp, n, k in ((x, 3 * h, h), (x, h, h), (x, 4 * h, h), (xf, h, 4 * h)):
+        w, b = torch.randn(n, k, device=dev, dtype=dtype), torch.randn(n, device=dev, dtype=dtype)
+        secs += _timed(lambda: torch.nn.functional.linear(inp, w, b), sync)
+        flops += 2 * rows * n * k
+    return flops / secs
+
+
+def _elementwise(dev: torch.device, dtype: torch.dtype, sync: Callable[[], None], quick: bool) -> float:
+    """Bytes/s (read plus written) of the kinds of elementwise pass a layer's prefill makes
+    (ModelSpec.elementwise_bytes), one of each: a norm, a residual add, an activation in place
+    and a move of heads (a transposed copy), over activations past the device's caches."""
+    tokens, h = (16384, 4096) if dev.type == "cuda" and not quick else (512, 256)
+    x, y = torch.randn(tokens, h, device=dev, dtype=dtype), torch.randn(tokens, h, device=dev, dtype=dtype)
+    wn, bn = torch.ones(h, device=dev, dtype=dtype), torch.zeros(h, device=dev, dtype=dtype)
+    heads = x.view(tokens // 512, 512, h // 128, 128)
+    passes = ((lambda: torch.nn.functional.layer_norm(x, (h,), wn, bn), 2), (lambda: torch.add(x, y), 3),
+              (lambda: y.relu_(), 2), (lambda: heads.transpose(1, 2).contiguous(), 2))
+    secs = sum(_timed(fn, sync) for fn, _ in passes)
+    return sum(k for _, k in passes) * x.numel() * x.element_size() / secs
 
 
 def host_copy_bandwidth(nbytes: int) -> tuple[float, float]:

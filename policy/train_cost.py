@@ -119,8 +119,9 @@ class TrainCostModel(CostModel):
         for k in KINDS:
             W = self.W[k]
             deq_w = self.W_dense[k] / hw.dequant_bdw if ch.compress_weight else 0
-            lin = bls * S * self.F[k] / hw.mm_flops_p
-            lora = bls * S * self.lora_F[k] / hw.mm_flops_p
+            lin = bls * S * self.F[k] / self.mm_p
+            lora = bls * S * self.lora_F[k] / self.mm_p
+            elem = bls * S * self.E[k]  # a forward's elementwise passes (a backward's: about twice)
             attn = attn_f if k == "attn" else 0.0
             stashed = k != "embed" and (k == "head" or not keep)  # the head's input is stashed always
             # weights staged in both sweeps (the embedding's too: the schedule stages it last)
@@ -138,13 +139,13 @@ class TrainCostModel(CostModel):
                     "ctod": (x["hd"] * act * h_out + x["sd"] * act * s_out) / hw.ctod_bdw_hidden,
                 }
                 if fwd:
-                    comp = lin + lora + attn + deq_w
+                    comp = lin + lora + attn + deq_w + elem
                 elif k == "embed":
                     comp = 0.0
                 elif k == "head":  # the logits again, then their gradient through the head
                     comp = 2 * lin + deq_w
                 else:  # [recompute] + input gradient + attention's backward + LoRA's gradients
-                    comp = (0 if keep else lin + lora + attn + deq_w) + lin + 2 * attn + 2 * lora
+                    comp = (0 if keep else lin + lora + attn + deq_w + elem) + lin + 2 * attn + 2 * lora + 2 * elem
                 t["comp"] = comp
                 t["host"] = ch.num_gpu_batches * hw.host_step_s * TRAIN_HOST_STEPS
                 out[(sweep, k)] = t
@@ -166,7 +167,7 @@ class TrainCostModel(CostModel):
         eb = self.work.elem_bytes
         mem["gpu"] += optimizer_bytes(self.lora_bytes / eb, eb)
         if ch.compress_weight:  # the reverse sweep dequantizes a whole layer, not one matmul
-            mem["gpu"] += self.spec.largest_layer_matmul_bytes(eb) - self.spec.largest_matmul_bytes(eb)
+            mem["gpu"] += self.spec.dequantized_bytes(eb, True) - self.spec.dequantized_bytes(eb, ch.num_gpu_batches > 1)
         layers = len(self.spec.layers) - 1  # every layer's input but the embedding's
         stash = ch.bls * S * self.A * layers
         mem["gpu"] += ch.gpu_batch_size * S * self.graph_layer

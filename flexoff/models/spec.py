@@ -115,6 +115,12 @@ class ModelSpec:
         training step's reverse sweep dequantizes all of a compressed layer's weights at once)."""
         return max(sum(math.prod(t.shape) for t in l.tensors if t.matmul) for l in self.layers) * elem_bytes
 
+    def dequantized_bytes(self, elem_bytes: int, whole_layer: bool) -> int:
+        """Device bytes a compressed model's weights take dequantized at once: one matmul's
+        temporary, or a whole layer's where the engine keeps them (a training step's reverse
+        sweep; a block of several GPU batches, which share one dequantization per layer)."""
+        return self.largest_layer_matmul_bytes(elem_bytes) if whole_layer else self.largest_matmul_bytes(elem_bytes)
+
     def inflight_bytes(self, batch: int, seq: int, elem_bytes: int) -> int:
         """Device memory of outputs still being copied away when the next layer runs: the keys,
         values and hidden states of up to two layer-batches (the store lane trails compute)."""
@@ -153,6 +159,23 @@ class ModelSpec:
         if self.layers[j].kind in ("embed", "head"):
             return 0
         return sum(sum(t.shape) for t in self.layers[j].tensors if t.matmul)
+
+    def elementwise_bytes(self, j: int, elem_bytes: int = 2) -> int:
+        """Bytes read plus written per token by layer j's passes outside its matmuls and attention
+        kernel (flexoff.models' math): an attention layer's norm (2 h), residual add (3 h), q, k
+        and v moved to heads and the output back (each read and written once), and LLaMA's
+        rotary embedding of q and k; an MLP layer's norm, residual add and activation (ReLU in
+        place: 2 widths of the intermediate; SwiGLU's silu and product: 5). The embedding and
+        the head: none counted."""
+        kind, h = self.layers[j].kind, self.hidden_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if kind == "attn":
+            out = 5 * h + 2 * (q + 2 * kv) + 2 * q + (2 * (q + kv) if self.family == "llama" else 0)
+        elif kind == "mlp":
+            out = 5 * h + (5 if self.family == "llama" else 2) * self.intermediate_size
+        else:
+            out = 0
+        return out * elem_bytes
 
     def attn_flops(self, context: int) -> int:
         """Score and value FLOPs of one attention layer for one query over `context` keys."""

@@ -329,3 +329,51 @@ def test_searched_policies_fit_the_engines_memory_plan():
         plan = plan_memory(s, layouts, s.kv_bytes_per_token(2), cand.policy, 512, 32, torch.float16, True)
         assert plan.total("gpu") <= 16 * G, cand.policy.describe()
         assert cand.prediction.memory["gpu"] == pytest.approx(plan.total("gpu"), rel=1e-3, abs=2**20)
+
+
+def test_prefill_priced_at_the_models_matmul_shapes_and_with_its_elementwise_passes():
+    """A profile that measured matmuls at layer shapes by hidden size prices a model at the
+    nearest size; its elementwise rate prices each layer's norm, residual, activation and head
+    moves (counted here by hand for OPT-30B: hidden 7168, MLP 28672, 56 heads of 128)."""
+    from dataclasses import replace
+
+    s = spec("opt-30b")
+    hw = replace(h200(), mm_flops_p_layers=((4096, 700e12), (7168, 600e12), (12288, 800e12)), gpu_mem_bdw=2e12)
+    x = {"wg": 1, "wc": 0, "wd": 0, "cg": 1, "cc": 0, "cd": 0, "hg": 1, "hc": 0, "hd": 0}
+    plain, priced = (CostModel(s, h, W512, Choice(8, 2)) for h in (h200(), hw))
+    assert priced.mm_p == 600e12 and plain.mm_p == h200().mm_flops_p
+    tokens = 16 * 512
+    mlp_flops = tokens * 2 * 2 * 7168 * 28672
+    mlp_bytes = tokens * 2 * (5 * 7168 + 2 * 28672)  # norm 2h, residual 3h, ReLU 2 x 28672
+    attn_bytes = tokens * 2 * (5 * 7168 + 2 * 3 * 7168 + 2 * 7168)  # q, k, v to heads; output back
+    t, t0 = priced.terms(x), plain.terms(x)
+    assert t[("p", "mlp")]["comp"] == pytest.approx(mlp_flops / 600e12 + mlp_bytes / 2e12)
+    assert t[("p", "attn")]["comp"] - t0[("p", "attn")]["comp"] == pytest.approx(
+        tokens * 2 * 4 * 7168 * 7168 * (1 / 600e12 - 1 / h200().mm_flops_p) + attn_bytes / 2e12)
+    assert t[("g", "mlp")]["comp"] == pytest.approx(16 * 2 * 2 * 7168 * 28672 / h200().mm_flops_g + mlp_bytes / 512 / 2e12)
+
+
+def test_profiles_keep_the_layer_matmul_table_and_reject_a_bad_one(tmp_path):
+    import json
+    from dataclasses import asdict, replace
+
+    from flexoff.errors import FlexoffError
+    from flexoff.policy.hardware import load
+
+    hw = replace(h200(), mm_flops_p_layers=((4096, 7e14), (8192, 6.5e14)), gpu_mem_bdw=3e12)
+    (tmp_path / "p.json").write_text(hw.to_json())
+    assert load(str(tmp_path / "p.json")) == hw and hw.prefill_mm_flops(5000) == 7e14
+    assert hw.prefill_mm_flops(7168) == 6.5e14
+    d = asdict(hw)
+    d["mm_flops_p_layers"] = [[4096, -1]]
+    (tmp_path / "bad.json").write_text(json.dumps(d))
+    with pytest.raises(FlexoffError, match="mm_flops_p_layers"):
+        load(str(tmp_path / "bad.json"))
+
+
+def test_the_profiler_measures_layer_matmuls_and_elementwise_passes():
+    from flexoff.policy.hardware import measure
+
+    hw = measure(quick=True)
+    assert hw.mm_flops_p_layers and all(h > 0 and f > 1e8 for h, f in hw.mm_flops_p_layers)
+    assert hw.gpu_mem_bdw > 1e7

@@ -92,3 +92,35 @@ def test_compressed_perplexity_within_2_percent_of_fake_quantization(smol_ppl, s
     assert ref_cache > dense * 1.02 and ref_weights > dense * 1.02  # both references really degrade
     assert ours["cache"].value == pytest.approx(ref_cache, rel=0.02)
     assert ours["weights"].value == pytest.approx(ref_weights, rel=0.02)
+
+
+def test_a_compressed_layer_is_dequantized_once_for_all_gpu_batches_of_a_prefill(tiny, monkeypatch):
+    """At matmul shapes (more rows than the fused kernel takes) a compressed layer's weights are
+    dequantized once per sweep and shared by its GPU batches (the head, which sees one token a
+    row, still dequantizes per batch on the CPU), and the tokens equal one big batch's."""
+    import flexoff.kernels.quant as kq
+    import flexoff.quant.engine as qe
+    from flexoff.quant.sizes import compresses
+
+    calls = []
+    real = kq.dequantize_rows
+
+    def counting(*a, **k):
+        calls.append(a[0].shape)
+        return real(*a, **k)
+
+    monkeypatch.setattr(kq, "dequantize_rows", counting)
+    monkeypatch.setattr(qe, "dequantize_rows", counting)
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_ids": torch.randint(3, 500, (20,), generator=g).tolist()} for _ in range(6)]
+    with LLM(str(tiny["opt"].path)) as llm:
+        layers = llm.model.spec.layers
+        per_sweep = {l.kind: sum(compresses(t) for t in l.tensors) for l in layers}
+        got = {}
+        for nb in (1, 3):
+            llm.policy_arg = Policy(gpu_batch_size=6 // nb, num_gpu_batches=nb, compress_weight=True)
+            calls.clear()
+            got[nb] = [c.token_ids for c in llm.generate(prompts, max_new_tokens=1).completions]
+            body = sum(per_sweep[l.kind] for l in layers if l.kind != "head")
+            assert len(calls) == body + nb * per_sweep["head"], nb  # was nb * (body + head)
+    assert per_sweep["head"] and body and got[1] == got[3]
