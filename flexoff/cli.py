@@ -404,6 +404,8 @@ def hardware_table(hw: Any) -> str:
     for k, v in asdict(hw).items():
         if isinstance(v, str):
             rows.append(f"{k:18} {v}")
+        elif isinstance(v, tuple):  # prefill matmuls by hidden size
+            rows.append(f"{k:18} " + (", ".join(f"{h}: {f / 1e12:.0f} TFLOP/s" for h, f in v) or "-"))
         elif k.endswith("_mem"):
             rows.append(f"{k:18} {v / 2**30:10.1f} GiB")
         elif "flops" in k:

@@ -364,6 +364,8 @@ def test_profiles_keep_the_layer_matmul_table_and_reject_a_bad_one(tmp_path):
     (tmp_path / "p.json").write_text(hw.to_json())
     assert load(str(tmp_path / "p.json")) == hw and hw.prefill_mm_flops(5000) == 7e14
     assert hw.prefill_mm_flops(7168) == 6.5e14
+    from flexoff.cli import hardware_table
+    assert "4096: 700 TFLOP/s, 8192: 650 TFLOP/s" in hardware_table(hw)  # what `flexoff profile` prints
     d = asdict(hw)
     d["mm_flops_p_layers"] = [[4096, -1]]
     (tmp_path / "bad.json").write_text(json.dumps(d))
