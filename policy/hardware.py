@@ -1,8 +1,10 @@
 """Hardware profiles: the measured constants the cost model needs.
 
 Knows: the fields of a profile (memory sizes, link and disk bandwidths, GPU
-matmul and batched-matmul throughput at prefill and decode shapes, CPU
-attention and dequantization rates, the host's time per engine step), two
+matmul and batched-matmul throughput at prefill and decode shapes, prefill
+matmuls at a transformer layer's shapes by hidden size, the device's
+elementwise pass rate, CPU attention and dequantization rates, the host's
+time per engine step), two
 presets (`flexgen-t4`, the constants FlexGen fitted for its T4 machine, and
 `h200`, from the device's measured constants), measuring one on this machine
 in under a minute, and caching it as JSON in the user cache folder, keyed by
@@ -65,7 +67,7 @@ class Hardware:
     def prefill_mm_flops(self, hidden: int) -> float:
         """FLOP/s of prefill matmuls for a model of this hidden size: the rate measured at the
         nearest hidden size of mm_flops_p_layers (GEMM efficiency depends on the shapes: on the
-        H200, 740 TFLOP/s at hidden 4096 and 635-675 at 7168), else mm_flops_p."""
+        H200, 759 TFLOP/s at hidden 4096 and 667 at 7168, 16,384 rows), else mm_flops_p."""
         if not self.mm_flops_p_layers:
             return self.mm_flops_p
         return min(self.mm_flops_p_layers, key=lambda e: abs(math.log(e[0] / hidden)))[1]
