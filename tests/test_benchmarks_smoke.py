@@ -65,3 +65,15 @@ def test_finetune_curve_writes_both_bases(tmp_path):
     for r in recs:
         assert len(r["losses"]) == 3 and list(r["eval"]) == ["3"] and r["eval"]["3"] > 0
     assert recs[0]["losses"][0] != recs[1]["losses"][0]  # the bases differ
+
+
+def test_gpu_only_benchmarks_say_so_without_cuda(tmp_path):
+    """Without CUDA a GPU benchmark exits 2 with one line saying why, and writes nothing."""
+    import pytest
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "layer_gemm.py"), "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert done.returncode == 2 and "no CUDA device" in done.stderr and not list(tmp_path.iterdir())
