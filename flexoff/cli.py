@@ -405,7 +405,7 @@ def hardware_table(hw: Any) -> str:
         if isinstance(v, str):
             rows.append(f"{k:18} {v}")
         elif isinstance(v, tuple):  # prefill matmuls by hidden size
-            rows.append(f"{k:18} " + (", ".join(f"{h}: {f / 1e12:.0f} TFLOP/s" for h, f in v) or "-"))
+            rows.append(f"{k:18} " + (", ".join(f"{h}: {f / 1e12:.3g} TFLOP/s" for h, f in v) or "-"))
         elif k.endswith("_mem"):
             rows.append(f"{k:18} {v / 2**30:10.1f} GiB")
         elif "flops" in k:
