@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from common import cuda_missing, environment, table, write_jsonl
+from flexoff.policy.hardware import elementwise_passes, layer_projections
 
 
 def ms(fn: Callable[[], Any], repeat: int = 10) -> float:
@@ -40,12 +41,11 @@ def ms(fn: Callable[[], Any], repeat: int = 10) -> float:
 
 def layer_rows(hidden: int, rows: int) -> list[dict[str, Any]]:
     dt, dev = torch.float16, "cuda"
-    x, xf = torch.randn(rows, hidden, device=dev, dtype=dt), torch.randn(rows, 4 * hidden, device=dev, dtype=dt)
+    x = {k: torch.randn(rows, k, device=dev, dtype=dt) for k in (hidden, 4 * hidden)}
     out, flops, total = [], 0.0, 0.0
-    for name, inp, n, k in (("qkv", x, 3 * hidden, hidden), ("o", x, hidden, hidden), ("up", x, 4 * hidden, hidden),
-                            ("down", xf, hidden, 4 * hidden)):
+    for name, n, k in layer_projections(hidden):
         w, b = torch.randn(n, k, device=dev, dtype=dt), torch.randn(n, device=dev, dtype=dt)
-        t = ms(lambda: F.linear(inp, w, b))
+        t = ms(lambda: F.linear(x[k], w, b))
         f = 2 * rows * n * k
         out.append({"what": f"linear {name}", "hidden": hidden, "rows": rows, "ms": t, "TFLOPs": f / t / 1e9})
         flops, total = flops + f, total + t
@@ -54,15 +54,10 @@ def layer_rows(hidden: int, rows: int) -> list[dict[str, Any]]:
 
 
 def elementwise_rows() -> list[dict[str, Any]]:
-    n = 256 << 20
-    a, b = torch.randn(n, device="cuda", dtype=torch.float16), torch.randn(n, device="cuda", dtype=torch.float16)
-    c = torch.empty_like(a)
-    x, heads = a.view(-1, 8192), a.view(-1, 512, 64, 128)
-    wn, bn = torch.ones(8192, device="cuda", dtype=a.dtype), torch.zeros(8192, device="cuda", dtype=a.dtype)
-    passes = {"copy": (lambda: c.copy_(a), 2), "add": (lambda: torch.add(a, b, out=c), 3),
-              "relu_": (lambda: c.relu_(), 2), "layer_norm": (lambda: F.layer_norm(x, (8192,), wn, bn), 2),
-              "heads moved (transposed copy)": (lambda: heads.transpose(1, 2).contiguous(), 2)}
-    return [{"what": name, "ms": (t := ms(fn)), "GBps": k * n * a.element_size() / t / 1e6}
+    """The profile's elementwise passes, and a plain copy, over 256 Mi half-precision values."""
+    x, y = (torch.randn(1 << 15, 8192, device="cuda", dtype=torch.float16) for _ in range(2))
+    passes = {"copy": (lambda: y.copy_(x), 2), **elementwise_passes(x, y)}
+    return [{"what": name, "ms": (t := ms(fn)), "GBps": k * x.numel() * x.element_size() / t / 1e6}
             for name, (fn, k) in passes.items()]
 
 

@@ -62,9 +62,15 @@ def qmatmul_ref(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, mn: to
     return x @ w if bias is None else torch.addmm(bias, x, w)
 
 
+def fuses(rows: int, device: torch.device) -> bool:
+    """Whether qmatmul dequantizes in registers (the fused kernel) for x of `rows` rows on
+    `device`; otherwise it dequantizes the whole weight first."""
+    return HAVE_TRITON and device.type == "cuda" and rows <= FUSED_MAX_ROWS
+
+
 def qmatmul(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, cfg: QuantConfig,
             n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if _use_triton(x) and x.shape[0] <= FUSED_MAX_ROWS:
+    if fuses(x.shape[0], x.device):
         return qmatmul_triton(x, data, scale, mn, cfg, n, bias)
     return qmatmul_ref(x, data, scale, mn, cfg, n, bias)
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 import torch
 
 from flexoff.kernels.attention import decode_attention
-from flexoff.kernels.quant import FUSED_MAX_ROWS
+from flexoff.kernels.quant import fuses
 from flexoff.models.attention import attend, attend_cached
 from flexoff.models.base import materialize
 from flexoff.offload.adapters import LoraLinear
@@ -122,12 +122,12 @@ class LayerOp:
 
     def _shares_dequantized(self, run: BlockRun, step: Step) -> bool:
         """Whether this step reads its layer's compressed weights dequantized once for all of the
-        sweep's GPU batches: an inference step of a block of several batches at matmul shapes
-        (more rows than the fused kernel takes, which dequantizes in registers instead)."""
+        sweep's GPU batches: an inference step of a block of several batches whose matmuls
+        would dequantize whole weights (not the fused kernel, which dequantizes in registers)."""
         if not self.e.policy.compress_weight or len(run.states) < 2 or run.trains[step.k]:
             return False
         st = run.states[step.k]
-        return st.n * (st.S if step.i == 0 and self.whole_prompt else 1) > FUSED_MAX_ROWS
+        return not fuses(st.n * (st.S if step.i == 0 and self.whole_prompt else 1), self.e.device)
 
     def _weights(self, run: BlockRun, k: int, sweep: int | None = None) -> tuple[Mapping[str, Any], list[Event]]:
         """Layer j's weights for batch k (with its rows' LoRA adapters), and what to wait for;

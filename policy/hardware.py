@@ -238,29 +238,42 @@ def measure(offload_dir: str | None = None, size: int = 512 << 20, quick: bool =
                     gpu_mem_bdw=_elementwise(dev, dtype, sync, quick))
 
 
+def layer_projections(h: int) -> tuple[tuple[str, int, int], ...]:
+    """A transformer layer's projections at hidden size h, as (name, out, in): q, k and v
+    together, the output, the MLP's up (4h) and down."""
+    return (("qkv", 3 * h, h), ("o", h, h), ("up", 4 * h, h), ("down", h, 4 * h))
+
+
 def _layer_mm(dev: torch.device, dtype: torch.dtype, h: int, rows: int, sync: Callable[[], None]) -> float:
     """FLOP/s over a transformer layer's projections at prefill shapes, as the engine calls them
-    (F.linear with a bias): q, k, v together (h -> 3h), the output (h -> h), up (h -> 4h), down
-    (4h -> h), on `rows` tokens; total FLOPs over total seconds."""
-    x, xf = torch.randn(rows, h, device=dev, dtype=dtype), torch.randn(rows, 4 * h, device=dev, dtype=dtype)
+    (F.linear with a bias), on `rows` tokens; total FLOPs over total seconds."""
+    x = {k: torch.randn(rows, k, device=dev, dtype=dtype) for k in (h, 4 * h)}
     flops = secs = 0.0
-    for inp, n, k in ((x, 3 * h, h), (x, h, h), (x, 4 * h, h), (xf, h, 4 * h)):
+    for _, n, k in layer_projections(h):
         w, b = torch.randn(n, k, device=dev, dtype=dtype), torch.randn(n, device=dev, dtype=dtype)
-        secs += _timed(lambda: torch.nn.functional.linear(inp, w, b), sync)
+        secs += _timed(lambda: torch.nn.functional.linear(x[k], w, b), sync)
         flops += 2 * rows * n * k
     return flops / secs
 
 
+def elementwise_passes(x: torch.Tensor, y: torch.Tensor) -> dict[str, tuple[Callable[[], Any], int]]:
+    """The kinds of elementwise pass a layer's prefill makes (ModelSpec.elementwise_bytes), over
+    x and y (tokens, h), tokens a multiple of 512 and h of 128: each one's call, and how many
+    tensors of x's size it reads plus writes."""
+    h = x.shape[-1]
+    wn, bn = torch.ones(h, device=x.device, dtype=x.dtype), torch.zeros(h, device=x.device, dtype=x.dtype)
+    heads = x.view(-1, 512, h // 128, 128)
+    return {"layer_norm": (lambda: torch.nn.functional.layer_norm(x, (h,), wn, bn), 2),
+            "add": (lambda: torch.add(x, y), 3), "relu_": (lambda: y.relu_(), 2),
+            "heads moved (transposed copy)": (lambda: heads.transpose(1, 2).contiguous(), 2)}
+
+
 def _elementwise(dev: torch.device, dtype: torch.dtype, sync: Callable[[], None], quick: bool) -> float:
-    """Bytes/s (read plus written) of the kinds of elementwise pass a layer's prefill makes
-    (ModelSpec.elementwise_bytes), one of each: a norm, a residual add, an activation in place
-    and a move of heads (a transposed copy), over activations past the device's caches."""
+    """Bytes/s (read plus written) of a layer's kinds of elementwise pass, one of each, over
+    activations past the device's caches."""
     tokens, h = (16384, 4096) if dev.type == "cuda" and not quick else (512, 256)
     x, y = torch.randn(tokens, h, device=dev, dtype=dtype), torch.randn(tokens, h, device=dev, dtype=dtype)
-    wn, bn = torch.ones(h, device=dev, dtype=dtype), torch.zeros(h, device=dev, dtype=dtype)
-    heads = x.view(tokens // 512, 512, h // 128, 128)
-    passes = ((lambda: torch.nn.functional.layer_norm(x, (h,), wn, bn), 2), (lambda: torch.add(x, y), 3),
-              (lambda: y.relu_(), 2), (lambda: heads.transpose(1, 2).contiguous(), 2))
+    passes = elementwise_passes(x, y).values()
     secs = sum(_timed(fn, sync) for fn, _ in passes)
     return sum(k for _, k in passes) * x.numel() * x.element_size() / secs
 
