@@ -40,6 +40,26 @@ def environment() -> dict[str, Any]:
             "settings": {k: v for k, v in os.environ.items() if k.startswith("FLEXOFF_") and k != "FLEXOFF_COMMIT"}}
 
 
+class AllocatorWatch:
+    """The CUDA caching allocator over a stretch of work: its peaks and how often an allocation
+    found the memory cap reached and had to wait for the device and free its cache before trying
+    again (`num_alloc_retries`; each one stalls the host). Empty without CUDA."""
+
+    def __init__(self) -> None:
+        self.cuda = torch.cuda.is_available()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+            self.retries0 = torch.cuda.memory_stats().get("num_alloc_retries", 0)
+
+    def stats(self) -> dict[str, Any]:
+        if not self.cuda:
+            return {}
+        s = torch.cuda.memory_stats()
+        return {"alloc_retries": s.get("num_alloc_retries", 0) - self.retries0,
+                "peak_reserved_GiB": s.get("reserved_bytes.all.peak", 0) / 2**30,
+                "peak_allocated_GiB": s.get("allocated_bytes.all.peak", 0) / 2**30}
+
+
 def cuda_missing(script: str) -> bool:
     """True, with a line on stderr, where there is no CUDA device for a GPU benchmark."""
     if torch.cuda.is_available():

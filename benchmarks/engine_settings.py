@@ -7,7 +7,7 @@ an offloaded decode spends its time as a setting changes.
 
 A setting is NAME=VALUE[,NAME=VALUE...] of environment variables the engine reads when it is
 built (FLEXOFF_CPU_THREADS, FLEXOFF_CUDA_GRAPHS, FLEXOFF_FUSED_KERNELS, FLEXOFF_PACE,
-FLEXOFF_CACHE_AHEAD, FLEXOFF_CPU_KERNEL); `--set default`
+FLEXOFF_CACHE_AHEAD, FLEXOFF_CPU_KERNEL, FLEXOFF_HOST_AHEAD, FLEXOFF_LOAD_SLOTS); `--set default`
 changes nothing. Every (policy, setting) pair runs `--repeat` times, settings interleaved, after
 one warm-up run. `--layers` cuts the model to its first blocks (a layer's rates do not depend on
 how many follow it). Prints a table and appends records to OUT/engine-settings.jsonl.
@@ -26,8 +26,8 @@ from common import table, write_jsonl
 from memcheck import cut_model
 from throughput import Bench, parse_policy
 
-COLUMNS = ["policy", "setting", "decode_s", "gen_tok_s", "decode/bound", "link_busy", "link_GBps",
-           "cpu_attn_GBps", "cpu_attn_busy", "wait_cpu_s", "disk_GBps"]
+COLUMNS = ["policy", "setting", "prefill_s", "decode_s", "gen_tok_s", "measured/predicted", "decode/bound",
+           "link_busy", "link_GBps", "cpu_attn_GBps", "cpu_attn_busy", "wait_cpu_s", "disk_GBps", "alloc_retries"]
 
 
 def apply(setting: str) -> None:
@@ -41,8 +41,9 @@ def summary(rec: dict[str, Any], setting: str) -> dict[str, Any]:
     """The columns of one run: link and CPU-attention rates in decode, from the engine's counters."""
     td, dec = rec["traffic_decode"], rec["decode_s"]
     cpu_s = td.get("cpu_attention_compute_s", 0.0)
-    return {"policy": rec["policy"].split(" [")[0], "setting": setting, "decode_s": dec,
-            "gen_tok_s": rec["gen_tok_s"], "decode/bound": rec["decode/bound"],
+    return {"policy": rec["policy"].split(" [")[0], "setting": setting, "prefill_s": rec["prefill_s"],
+            "decode_s": dec, "gen_tok_s": rec["gen_tok_s"], "measured/predicted": rec["measured/predicted"],
+            "decode/bound": rec["decode/bound"], "alloc_retries": rec.get("alloc_retries"),
             "link_busy": rec.get("decode_link_busy"), "link_GBps": rec.get("decode_link_GBps"),
             "cpu_attn_GBps": td.get("cpu_attention", 0) / cpu_s / 1e9 if cpu_s else None,
             "cpu_attn_busy": cpu_s / dec if dec else None, "wait_cpu_s": td.get("wait_cpu_attention_s"),

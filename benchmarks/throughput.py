@@ -10,6 +10,10 @@ Policies: `auto` (the LP search), `auto+c` (the search, compression allowed), a 
 file, or `GxN:wg,wc,cg,cc,hg,hc[:flags]` with flags a (CPU attention), w (compressed weights),
 k (compressed cache), n (no overlap). Every run is a full run of its block (no projection).
 Records go to OUT/throughput.jsonl; the frontier plot to OUT/frontier.png.
+
+A run's decode bound is the larger of the link's bytes at the profile's `ctog_bdw` and the host
+memory's: the bytes the link copies out of it plus those CPU attention reads, at `cpu_mem_bdw`
+(the two share it; before 2026-11-27 the bound took CPU attention's bytes alone).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any, Sequence
 
 import torch
 
-from common import environment, table, write_jsonl
+from common import AllocatorWatch, environment, table, write_jsonl
 
 from flexoff.errors import GpuOutOfMemoryError
 
@@ -138,6 +142,7 @@ class Bench:
         prompts = [{"prompt_ids": torch.randint(3, spec.vocab_size, (prompt_len,), generator=g).tolist(),
                     "id": str(i)} for i in range(n)]
         self.llm.policy_arg = policy
+        watch = AllocatorWatch()
         t0 = time.perf_counter()
         out = self.llm.generate(prompts, max_new_tokens=gen_len)
         wall = time.perf_counter() - t0
@@ -145,7 +150,10 @@ class Bench:
         p = policy
         pred = predict(spec, self.hw, p, Workload(prompt_len, gen_len, self.llm.dtype.itemsize, n))
         td = st.traffic_decode
-        bound = max(td.get("h2d", 0) / self.hw.ctog_bdw, td.get("cpu_attention", 0) / self.hw.cpu_mem_bdw)
+        link = td.get("h2d", 0) / self.hw.ctog_bdw
+        # host memory: what the link copies out of it and CPU attention reads, at the profile's rate
+        host = (td.get("h2d", 0) + td.get("cpu_attention", 0)) / self.hw.cpu_mem_bdw
+        bound = max(link, host)
         pcie = (st.traffic_prefill.get("h2d", 0) + td.get("h2d", 0)) / self.hw.ctog_bdw
         gib = 2**30
         rec = {"kind": kind, "label": label, "model": self.llm.model.name, "prompt_len": prompt_len,
@@ -156,9 +164,11 @@ class Bench:
                "predicted_tok_s": pred.throughput, "predicted_bottleneck": pred.bottleneck,
                "measured/predicted": st.generation_throughput / pred.throughput,
                "decode_bound_s": bound, "decode/bound": st.decode_s / bound if bound else None,
+               "decode/link_bound": st.decode_s / link if link else None, "decode_host_bound_s": host,
                "pcie_bound_s": pcie, **link_use(td, st.decode_s), "traffic_prefill": st.traffic_prefill, "traffic_decode": td,
                "peak_bytes": st.peak_bytes, "peak_gpu_GiB": st.peak_bytes.get("gpu", 0) / gib,
-               "peak_cpu_GiB": st.peak_bytes.get("cpu", 0) / gib, "hardware": self.hw.name, **self.env}
+               "peak_cpu_GiB": st.peak_bytes.get("cpu", 0) / gib, **watch.stats(), "hardware": self.hw.name,
+               **self.env}
         return rec
 
     def close(self) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from common import environment, table, write_jsonl
+from common import AllocatorWatch, environment, table, write_jsonl
 from memcheck import cut_model
 from throughput import Bench, parse_policy
 
@@ -159,9 +159,11 @@ def main() -> int:
         bench.llm.generate(prompts, max_new_tokens=args.gen_len)  # set-up run
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
         mark_lanes(True)
+        watch = AllocatorWatch()
         with profile(activities=acts, experimental_config=all_threads()) as prof:
             bench.llm.generate(prompts, max_new_tokens=args.gen_len)
         mark_lanes(False)
+        allocator = watch.stats()
     finally:
         bench.close()
         cut.cleanup()
@@ -175,9 +177,10 @@ def main() -> int:
     if len(packed) <= MAX_TRACE:
         (args.out / "trace.json.gz").write_bytes(packed)
     record = {**environment(), "policy": policy.describe(), "prompt_len": args.prompt_len, "gen_len": args.gen_len,
-              "layers": args.layers, **summary}
+              "layers": args.layers, **allocator, **summary}
     write_jsonl(args.out / "trace-summary.jsonl", [record])
-    print(f"{policy.describe()}: {args.window} window {summary.get('window_us', 0) / 1e3:.1f} ms")
+    print(f"{policy.describe()}: {args.window} window {summary.get('window_us', 0) / 1e3:.1f} ms",
+          ", ".join(f"{k} {v:.3g}" for k, v in allocator.items()))
     print(table(summary.get("rows", []), ["what", "busy", "events"]))
     print(table(summary.get("h2d_gaps_us", []), ["gap", "at"]))
     print(table(summary.get("copy_waits_us", []), ["stream", "copy", "copies", "median", "mean", "max"]))

@@ -11,6 +11,7 @@ Does not know: model math, the schedule.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Iterable, Literal, Sequence
 
@@ -21,14 +22,19 @@ from flexoff.offload.lanes import Event, Lanes, Tracked
 from flexoff.offload.mover import Mover, Span, span_of
 from flexoff.offload.placement import TIERS, row_segments, row_split
 from flexoff.offload.tiers import Ledger
-from flexoff.policy.policy import Policy
+from flexoff.policy.policy import Policy, act_load_slots
 from flexoff.policy.train_cost import graph_token_elems
 
 
 def act_bytes(spec: ModelSpec, elem_bytes: int, policy: Policy, max_prompt: int) -> dict[str, int]:
-    split = row_split(policy.gpu_batch_size, policy.act_gpu_percent, policy.act_cpu_percent)
-    per_row = max_prompt * spec.hidden_size * elem_bytes * policy.num_gpu_batches
-    return {t: split[t] * per_row for t in TIERS}  # GPU rows: compute's tensors, kept between layers
+    """The hidden store's homes on each tier (GPU rows: compute's tensors, kept between layers)
+    and its ring of GPU buffers that other rows load back into."""
+    n = policy.gpu_batch_size
+    split = row_split(n, policy.act_gpu_percent, policy.act_cpu_percent)
+    row = max_prompt * spec.hidden_size * elem_bytes
+    out = {t: split[t] * row * policy.num_gpu_batches for t in TIERS}
+    out["gpu"] += act_load_slots(split["gpu"] == n) * n * row
+    return out
 
 
 def stash_bytes(spec: ModelSpec, elem_bytes: int, policy: Policy, max_tokens: int) -> dict[str, int]:
@@ -67,20 +73,36 @@ class _Stored:
     homes: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class _Slot:
+    """A device buffer of the load ring: what has written and read it, and the key whose load
+    it holds from its prefetch until compute has read it (`RowStore.read`)."""
+
+    buf: torch.Tensor
+    track: Tracked = field(default_factory=Tracked)
+    key: Hashable | None = None
+
+
 class RowStore:
     """Tensors (n, s, hidden) keyed by their holder, rows split across tiers, loaded back on the
-    lane `lane` names ("load", or "fetch": a stream of its own, not behind weight copies)."""
+    lane `lane` names ("load", or "fetch": a stream of its own, not behind weight copies), into
+    a ring of `slots` device buffers (none: a fresh tensor for each load)."""
 
     lane: Literal["load", "fetch"] = "load"
 
     def __init__(self, keys: Iterable[Hashable], split: dict[str, int], row_bytes: int, dtype: torch.dtype,
-                 mem: Ledger, lanes: Lanes, mover: Mover):
+                 mem: Ledger, lanes: Lanes, mover: Mover, slots: int = 0):
         self.dtype, self.lanes, self.mover, self.device = dtype, lanes, mover, mem.device
         self.split = split
         self.homes = {key: {t: (mem.alloc(t, n * row_bytes), Tracked())
                             for t, n in split.items() if n > 0 and t != "gpu"} for key in keys}
         self._stored: dict[Hashable, _Stored] = {}
-        self._loaded: dict[Hashable, tuple[Any, torch.Tensor, list[Event]]] = {}
+        self._loaded: dict[Hashable, tuple[Any, torch.Tensor, list[Event], _Slot | None]] = {}
+        self._slot_elems = sum(split.values()) * row_bytes // dtype.itemsize
+        self._ring: list[_Slot] = []
+        self._slots, self._next = 0 if self.all_gpu else slots, 0
+        self._taken: dict[Hashable, _Slot] = {}  # slots compute has taken, by key, until `read`
+        self.unslotted = 0  # loads that found every slot holding a load not yet taken
 
     @property
     def all_gpu(self) -> bool:
@@ -88,6 +110,7 @@ class RowStore:
 
     def put(self, key: Hashable, h: torch.Tensor, tag: Any, ev: Event) -> None:
         """Keep h, which compute produced by `ev`, under key."""
+        h, ev = self._own(h, ev)
         st = _Stored(tag, tuple(h.shape), None, ev)
         for tier, r0, r1 in row_segments(h.shape[0], self.split):
             if tier == "gpu":
@@ -100,7 +123,36 @@ class RowStore:
             track.wrote(cp)
             track.tag = tag
         self._stored[key] = st
-        self._loaded.pop(key, None)
+        self._release(key)
+
+    def _release(self, key: Hashable) -> None:
+        """Forget a load under key that compute never took; its slot is free again (a next load
+        into it waits for this one's copies)."""
+        dropped = self._loaded.pop(key, None)
+        if dropped is not None and dropped[3] is not None:
+            dropped[3].key = None
+
+    def lends(self, h: torch.Tensor) -> bool:
+        """Whether h is a ring slot's memory, which a later load writes over once compute has read
+        it: what keeps h longer (or reads it on another lane) must keep a copy."""
+        return any(h.untyped_storage().data_ptr() == s.buf.untyped_storage().data_ptr() for s in self._ring)
+
+    def _own(self, h: torch.Tensor, ev: Event) -> tuple[torch.Tensor, Event]:
+        """h, or a copy of it where it is a ring slot's memory (an input returned as it was);
+        and the event that made it."""
+        if not self.lends(h):
+            return h, ev
+        h = h.clone()
+        return h, self.lanes.compute.mark()
+
+    def read(self, key: Hashable, ev: Event) -> None:
+        """Compute is done with what it took under key by `ev` (every reader of it issued, some
+        perhaps deferred, like CPU attention's residual): its ring slot may be loaded again after
+        that. Until then the slot stays held; a store with a ring must be told."""
+        slot = self._taken.pop(key, None)
+        if slot is not None:
+            slot.track.was_read(ev)
+            slot.key = None
 
     def holds(self, key: Hashable, tag: Any) -> bool:
         st = self._stored.get(key)
@@ -112,30 +164,46 @@ class RowStore:
         assert st.tag == tag, f"{key}: holds {st.tag}, {tag} was asked for"
         if key in self._loaded or self.all_gpu:
             return
-        out = self._load_target(st.shape)
+        out, slot = self._load_target(key, st.shape)
+        free = slot.track.claim() if slot is not None else []  # the slot's last load and reads
         evs = []
         for tier, r0, r1 in row_segments(st.shape[0], self.split):
             dst = span_of(out[r0:r1])
             if tier == "gpu":
-                evs.append(self.mover.copy(dst, span_of(st.gpu), [st.ev], lane=self.lane))
-                continue
-            buf, track = self.homes[key][tier]
-            assert track.tag == tag
-            ev = self.mover.copy(dst, Span(buf, 0, dst.nbytes), track.read_deps(), lane=self.lane)
-            track.was_read(ev)
+                ev = self.mover.copy(dst, span_of(st.gpu), [st.ev] + free, lane=self.lane)
+            else:
+                buf, track = self.homes[key][tier]
+                assert track.tag == tag
+                ev = self.mover.copy(dst, Span(buf, 0, dst.nbytes), track.read_deps() + free, lane=self.lane)
+                track.was_read(ev)
+            if slot is not None:
+                slot.track.wrote(ev)
             evs.append(ev)
-        self._loaded[key] = (tag, out, evs)
+        self._loaded[key] = (tag, out, evs, slot)
 
-    def _load_target(self, shape: tuple[int, ...]) -> torch.Tensor:
-        """A device tensor for the loading stream to fill, made in that stream's memory pool:
-        memory freed in the compute stream's pool may still be used by compute kernels queued
-        behind the host, and a copy on another stream would race them (`take` records compute's
-        use)."""
+    def _load_target(self, key: Hashable, shape: tuple[int, ...]) -> tuple[torch.Tensor, _Slot | None]:
+        """A device tensor for the loading stream to fill: the ring's next slot that holds no
+        load waiting to be taken, or (no ring, or every slot waiting) a fresh tensor made in the
+        loading stream's memory pool: memory freed in the compute stream's pool may still be used
+        by compute kernels queued behind the host, and a copy on another stream would race them
+        (`take` records compute's use)."""
+        if self._slots and not self._ring:  # made once; its first loads wait for compute queued now
+            self._ring = [_Slot(torch.empty(self._slot_elems, dtype=self.dtype, device=self.device))
+                          for _ in range(self._slots)]
+            for s in self._ring:
+                s.track.was_read(self.lanes.compute.mark())
+        for n in range(len(self._ring)):
+            slot = self._ring[(self._next + n) % len(self._ring)]
+            if slot.key is None:
+                self._next = (self._next + n + 1) % len(self._ring)
+                slot.key = key
+                return slot.buf[:math.prod(shape)].view(shape), slot
+        self.unslotted += bool(self._ring)
         stream = getattr(getattr(self.lanes, self.lane), "stream", None)
         if stream is None:
-            return torch.empty(shape, dtype=self.dtype, device=self.device)
+            return torch.empty(shape, dtype=self.dtype, device=self.device), None
         with torch.cuda.stream(stream):
-            return torch.empty(shape, dtype=self.dtype, device=self.device)
+            return torch.empty(shape, dtype=self.dtype, device=self.device), None
 
     def take(self, key: Hashable, tag: Any) -> tuple[torch.Tensor, list[Event]]:
         """The tensor under key (which must be `tag`) and the events compute must wait for."""
@@ -144,16 +212,23 @@ class RowStore:
             assert st.tag == tag, f"{key}: holds {st.tag}, {tag} was asked for"
             return st.gpu, []  # made on the compute stream, which reads it
         RowStore.prefetch(self, key, tag)  # the keyed form, not a subclass's
-        got, out, evs = self._loaded.pop(key)
+        got, out, evs, slot = self._loaded.pop(key)
         assert got == tag
-        if self.lanes.compute.stream is not None:  # its memory goes back to the load stream's pool
+        if slot is not None:
+            self._taken[key] = slot
+        elif self.lanes.compute.stream is not None:  # its memory goes back to the load stream's pool
             out.record_stream(self.lanes.compute.stream)  # only once compute is done with it
         return out, evs
 
     def clear(self) -> None:
-        """Drop what the last block left (its device tensors)."""
+        """Drop what the last block left (its device tensors); the ring stays, its slots free
+        once the compute issued until now is done."""
+        for key in list(self._taken):
+            self.read(key, self.lanes.compute.mark())
         self._stored.clear()
         self._loaded.clear()
+        for slot in self._ring:
+            slot.key = None
 
 
 class HiddenStore(RowStore):
@@ -163,10 +238,13 @@ class HiddenStore(RowStore):
                  lanes: Lanes, mover: Mover, max_prompt: int):
         split = row_split(policy.gpu_batch_size, policy.act_gpu_percent, policy.act_cpu_percent)
         super().__init__(range(policy.num_gpu_batches), split, max_prompt * spec.hidden_size * dtype.itemsize,
-                         dtype, mem, lanes, mover)
+                         dtype, mem, lanes, mover, act_load_slots(split["gpu"] == policy.gpu_batch_size))
 
     def put(self, kb: int, j: int, h: torch.Tensor, ev: Event) -> None:  # type: ignore[override]
-        """Keep the output h (n, s, hidden) of layer j for batch kb until layer j + 1."""
+        """Keep the output h (n, s, hidden) of layer j for batch kb until layer j + 1; compute
+        made it by `ev`, so it has read the input it took for batch kb by then."""
+        h, ev = self._own(h, ev)
+        self.read(kb, ev)
         super().put(kb, h, j, ev)
 
     def holds(self, kb: int, j: int) -> bool:  # type: ignore[override]

@@ -98,8 +98,8 @@ class LayerOp:
         w, deps = self._weights(run, step.k, step.i if self._shares_dequantized(run, step) else None)
         h, hdeps = e.hidden.take(step.k, self.j)
         e.lanes.compute.wait(deps + hdeps)
-        if run.trains[step.k] and not (e.keep_graphs and self.graphs):
-            e.stash.put((self.j, step.k), h, step.i, e.lanes.compute.mark())
+        if run.trains[step.k] and not (e.keep_graphs and self.graphs):  # kept past the hidden ring's reuse
+            e.stash.put((self.j, step.k), h.clone() if e.hidden.lends(h) else h, step.i, e.lanes.compute.mark())
         return w, h
 
     def _train(self, run: BlockRun, step: Step, w: Mapping[str, Any], h: torch.Tensor) -> torch.Tensor:
@@ -107,7 +107,7 @@ class LayerOp:
         input) or, where the engine keeps graphs, recorded by autograd for the reverse sweep."""
         if not self.e.keep_graphs:
             return self.window(run, step, w, h)
-        x = h.detach().requires_grad_(True)
+        x = (h.clone() if self.e.hidden.lends(h) else h.detach()).requires_grad_(True)  # the graph keeps it
         wd = dense(w)
         with torch.enable_grad():
             out = self.window(run, step, wd, x)
@@ -227,7 +227,9 @@ class HeadOp(LayerOp):
         e = self.e
         w, h = self._inputs(run, step)
         run.tasks[step.k].forward(e.fam, w, h, run.states[step.k], step.i)
-        e.weights.was_read(self.j, e.lanes.compute.mark())
+        ev = e.lanes.compute.mark()
+        e.weights.was_read(self.j, ev)
+        e.hidden.read(step.k, ev)
         if e.pipe is not None and step.i < run.gen_len - 1:  # the first stage embeds them next
             e.pipe.send_tokens(run.states[step.k].tokens[step.i])
 
@@ -395,7 +397,9 @@ class SendOp(LayerOp):
     def forward(self, run: BlockRun, step: Step) -> None:
         w, h = self._inputs(run, step)
         self.e.pipe.send_hidden(h)
-        self.e.weights.was_read(self.j, self.e.lanes.compute.mark())
+        ev = self.e.lanes.compute.mark()
+        self.e.weights.was_read(self.j, ev)
+        self.e.hidden.read(step.k, ev)
 
 
 OPS = {"embed": EmbedOp, "attn": AttnOp, "mlp": MlpOp, "head": HeadOp, "recv": RecvOp, "send": SendOp}

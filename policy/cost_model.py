@@ -33,12 +33,13 @@ Names follow the FlexGen paper:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from flexoff.models.spec import ModelSpec
 from flexoff.policy.hardware import Hardware
-from flexoff.policy.policy import GPU_RESERVE, cache_slots, weight_slots
+from flexoff.policy.policy import GPU_RESERVE, act_load_slots, cache_slots, weight_slots
 from flexoff.quant.sizes import kv_config, kv_record_bytes, layer_bytes, tensor_bytes, weight_config
 
 VARS = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd")
@@ -280,11 +281,19 @@ class CostModel:
         cache = self.cache_memory(x)
         return {
             "gpu": x["wg"] * self.W_total + self.slots * self.slot_bytes(x["wg"]) + cache["gpu"]
-            + x["hg"] * act + working
+            + x["hg"] * act + self.load_ring_bytes(x["hg"]) + working
             + x["wg"] * self.lora_bytes + self.slots * (1 - x["wg"]) * max(self.lora_layer.values()),
             "cpu": x["wc"] * self.W_total + cache["cpu"] + x["hc"] * act + self.lora_host,
             "disk": x["wd"] * self.W_total + cache["disk"] + x["hd"] * act,
         }
+
+    def load_ring_bytes(self, hg: Any) -> int:
+        """The GPU buffers a batch's CPU and disk hidden rows load back into (offload.activations):
+        for the LP always, for a concrete share unless it keeps every row on the GPU, as the
+        engine rounds rows."""
+        n = self.ch.gpu_batch_size
+        all_gpu = isinstance(hg, (int, float)) and math.floor(n * hg + 0.5) >= n
+        return act_load_slots(all_gpu) * n * self.work.prompt_len * self.A
 
     def slot_bytes(self, wg: Any) -> Any:
         """A GPU weight slot: the largest layer's bytes beyond its GPU share; for the LP, that

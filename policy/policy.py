@@ -9,12 +9,14 @@ Does not know: how a policy is executed (offload/ does that) or found (search).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
 from flexoff.errors import PolicyError
 
+ACT_LOAD_SLOTS = 2  # act_load_slots' default
 GPU_RESERVE = 1 << 30  # GPU bytes left to the CUDA allocator's slack and fragmentation (plan and cost model)
 PERCENT_FIELDS = ("w_gpu_percent", "w_cpu_percent", "cache_gpu_percent",
                   "cache_cpu_percent", "act_gpu_percent", "act_cpu_percent")
@@ -25,6 +27,15 @@ def weight_slots(cpu_cache_compute: bool) -> int:
     four with CPU attention, where decode starts an attention layer's first batch while the layer
     before it and the one before that still finish their last batch."""
     return 4 if cpu_cache_compute else 2
+
+
+def act_load_slots(all_gpu: bool) -> int:
+    """Device buffers a GPU batch's hidden state is loaded back into from CPU or disk rows (a
+    ring: the input being computed on and the next batch's, on its way); none where every row
+    stays on the GPU. `FLEXOFF_LOAD_SLOTS` sets the ring's length; 0 loads into a fresh tensor
+    from the load stream's memory pool each time (the compute stream cannot reuse that memory,
+    and at the memory cap the CUDA allocator stalls the host to free it)."""
+    return 0 if all_gpu else int(os.environ.get("FLEXOFF_LOAD_SLOTS", ACT_LOAD_SLOTS))
 
 
 def cache_slots(cpu_cache_compute: bool, num_gpu_batches: int) -> int:

@@ -13,10 +13,12 @@ import torch
 
 from flexoff import LLM, Policy
 from flexoff.errors import MemoryBudgetError
+from flexoff.offload.activations import HiddenStore
 from flexoff.offload.engine import Engine
 from flexoff.offload.placement import row_segments, row_split
 from flexoff.offload.schedule import Step, block_plan, forward_sweeps
 from flexoff.offload.tiers import Budgets, MemTier
+from flexoff.policy.policy import ACT_LOAD_SLOTS
 from reference import PROMPTS
 
 DISK = Policy(gpu_batch_size=2, num_gpu_batches=2, w_gpu_percent=0, w_cpu_percent=0,
@@ -78,8 +80,9 @@ def test_weights_are_placed_by_bytes_and_accounting_matches_allocation(tiny):
             for tier, alloc in (("gpu", e.tiers.gpu), ("cpu", e.tiers.cpu), ("disk", e.tiers.disk)):
                 parts = ("weights", "kv cache", "buffers") + (("activations",) if tier != "gpu" else ())
                 assert alloc.used == sum(plan.parts[w][tier] for w in parts), tier
-            # activation rows on the compute device are compute's own tensors, counted but not allocated
-            assert plan.parts["activations"]["gpu"] == 2 * 2 * 32 * 64 * 4
+            # activation rows on the compute device are compute's own tensors, counted but not
+            # allocated; so is the ring of whole batches that the CPU rows load back into
+            assert plan.parts["activations"]["gpu"] == (2 * 2 + ACT_LOAD_SLOTS * 4) * 32 * 64 * 4
         finally:
             e.close()
 
@@ -367,3 +370,40 @@ def test_disk_cache_rows_load_a_layer_ahead_under_cpu_attention(tiny, tiny_refs,
         assert {("load", i, j + 1, k) for k in range(3)} <= set(events[:n]), (i, j)
         checked += 1
     assert checked >= 3 * 2  # decode steps x (mlp, attn) pairs
+
+
+@pytest.mark.parametrize("slots", [1, 2, 3])
+def test_hidden_states_load_back_into_a_ring_of_device_buffers(tiny, tiny_refs, monkeypatch, slots):
+    """Rows of the hidden state kept in CPU memory or on disk load back into a fixed ring of
+    compute-device buffers (on CUDA: no allocation per load in the load stream's own memory pool,
+    which the compute stream cannot reuse). Each slot is loaded again only after compute has read
+    it, CPU attention's deferred residual included: a ring of one, with the copy lanes running
+    concurrently, still gives transformers' tokens."""
+    monkeypatch.setenv("FLEXOFF_LOAD_SLOTS", str(slots))
+    taken: list[bool] = []
+    stores: list[HiddenStore] = []
+    real = HiddenStore.take
+
+    def take(self: HiddenStore, kb: int, j: int):
+        out, evs = real(self, kb, j)
+        taken.append(self.lends(out))
+        stores.append(self)
+        return out, evs
+
+    monkeypatch.setattr(HiddenStore, "take", take)
+    want = [r for r, _ in tiny_refs["llama"]]
+    with LLM(str(tiny["llama"].path)) as llm:
+        for cpu_attn in (False, True):
+            for act in ((0, 100), (0, 50), (50, 0)):  # CPU, CPU and disk, half on the device and disk
+                taken.clear()
+                llm.policy_arg = Policy(gpu_batch_size=2, num_gpu_batches=3, w_gpu_percent=30, w_cpu_percent=40,
+                                        cache_gpu_percent=0, cache_cpu_percent=100, act_gpu_percent=act[0],
+                                        act_cpu_percent=act[1], cpu_cache_compute=cpu_attn)
+                got = [c.token_ids for c in llm.generate([{"prompt_ids": q} for q in PROMPTS],
+                                                           max_new_tokens=8).completions]
+                assert got == want, (cpu_attn, act)
+                # every load landed in the ring: with two slots or more, the one being computed on and
+                # the next batch's (CPU attention's deferred residual may hold them all)
+                if not cpu_attn and slots >= 2:
+                    assert taken and all(taken), (act, taken.count(False))
+                    assert stores[-1].unslotted == 0 and len(stores[-1]._ring) == slots
