@@ -25,8 +25,9 @@ PERCENT_FIELDS = ("w_gpu_percent", "w_cpu_percent", "cache_gpu_percent",
 def weight_slots(cpu_cache_compute: bool) -> int:
     """GPU slots the engine stages non-resident layers through: two (this layer and the next), or
     four with CPU attention, where decode starts an attention layer's first batch while the layer
-    before it and the one before that still finish their last batch."""
-    return 4 if cpu_cache_compute else 2
+    before it and the one before that still finish their last batch. `FLEXOFF_WEIGHT_SLOTS` sets
+    the count (for measurements; with three or more, layers are staged two ahead)."""
+    return int(os.environ.get("FLEXOFF_WEIGHT_SLOTS", 4 if cpu_cache_compute else 2))
 
 
 def act_load_slots(all_gpu: bool) -> int:
