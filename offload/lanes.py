@@ -11,6 +11,7 @@ Does not know: what the work is (copies, attention), tiers, models.
 
 from __future__ import annotations
 
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
@@ -157,10 +158,13 @@ class ComputeLane:
 
 
 class Lanes:
-    """All lanes of one engine: compute, load (toward compute), fetch (toward compute too, for a
-    training window's stashed inputs: never queued behind a weight copy), store (away from it), disk read,
-    disk write, CPU attention and a lane for its inputs (its thread sends its output), and (CUDA,
-    `pace`) the feed that paces large copies onto the load stream."""
+    """All lanes of one engine: compute, load (toward compute), weights (layers' weights toward
+    compute: on CUDA a stream of its own unless copies are paced, so a weight copy waiting for its
+    slot's last reader does not hold up the KV cache and activations queued behind it), fetch
+    (toward compute too, for a training window's stashed inputs: never queued behind a weight
+    copy), store (away from it), disk read, disk write, CPU attention and a lane for its inputs
+    (its thread sends its output), and (CUDA, `pace`) the feed that paces large copies onto the
+    load stream."""
 
     def __init__(self, device: torch.device, pace: bool = True):
         self.device = device
@@ -169,6 +173,8 @@ class Lanes:
         self.load: StreamLane | ThreadLane = StreamLane("load", device) if self.cuda else ThreadLane("load")
         self.store: StreamLane | ThreadLane = StreamLane("store", device) if self.cuda else ThreadLane("store")
         self.fetch: StreamLane | ThreadLane = StreamLane("fetch", device) if self.cuda else self.load
+        own = self.cuda and not pace and os.environ.get("FLEXOFF_WEIGHTS_STREAM") != "0"  # 0: as before, on load
+        self.weights: StreamLane | ThreadLane = StreamLane("weights", device) if own else self.load
         self.disk_read = ThreadLane("disk-read")
         self.disk_write = ThreadLane("disk-write")
         self.cpu = ThreadLane("cpu-attention")
@@ -187,7 +193,8 @@ class Lanes:
 
     def _all(self) -> list:
         return [self.load, self.store, self.disk_read, self.disk_write, self.cpu_down, self.cpu] \
-            + ([self.feed] if self.feed else []) + ([self.fetch] if self.fetch is not self.load else [])
+            + ([self.feed] if self.feed else []) + ([self.fetch] if self.fetch is not self.load else []) \
+            + ([self.weights] if self.weights is not self.load else [])
 
     def sync(self) -> None:
         """Wait for everything issued so far (used at block edges and with overlap off)."""

@@ -58,10 +58,12 @@ class Mover:
         self._bounce_ev: dict[str, list] = {"read": [None, None], "write": [None, None]}
         self.link_s = 0.0  # seconds the link spent on host-to-device copies (CUDA), once measured
         self._timed: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
+        self._ref: torch.cuda.Event | None = None  # the first timed copy's start
+        self._busy_to = 0.0  # ms after _ref up to which the link's busy time is counted
         self._spilling: deque[Event] = deque()  # disk writes of transient tensors, oldest first
 
     def copy(self, dst: Span, src: Span, deps: Iterable[Event] = (),
-             lane: Literal["load", "fetch", "store"] = "load", transient: bool = False) -> Event:
+             lane: Literal["load", "weights", "fetch", "store"] = "load", transient: bool = False) -> Event:
         """Copy src's bytes to dst after `deps`. `transient`: src is a compute output that lives
         only until copied; a disk write of one is started only while fewer than SPILLING others
         are unwritten (the host waits), so a disk slower than compute does not pile them up in
@@ -82,7 +84,7 @@ class Mover:
             return ev
 
         deps = list(deps)
-        if lane == "load" and self.lanes.feed is not None and dst.buf.is_cuda and not src.buf.is_cuda \
+        if lane in ("load", "weights") and self.lanes.feed is not None and dst.buf.is_cuda and not src.buf.is_cuda \
                 and src.nbytes > IN_FLIGHT * LINK_CHUNK and not any(d.host_pending for d in deps):
             return self.lanes.feed.run(lambda: self._paced(dst, src, deps))
 
@@ -98,11 +100,13 @@ class Mover:
                 if t.is_cuda:
                     t.record_stream(torch.cuda.current_stream(t.device))
 
-        return {"load": self.lanes.load, "fetch": self.lanes.fetch, "store": self.lanes.store}[lane].run(fn, deps)
+        lanes = {"load": self.lanes.load, "weights": self.lanes.weights, "fetch": self.lanes.fetch,
+                 "store": self.lanes.store}
+        return lanes[lane].run(fn, deps)
 
     def copy_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], deps: Iterable[Event] = ()) -> Event:
         """Many small memory-to-memory copies (dst, src tensors of equal size) in one task on the
-        load lane: a layer's LoRA pages, one per adapter."""
+        weights lane: a layer's LoRA pages, one per adapter, beside the layer's weights."""
         for d, s in pairs:
             self._count(span_of(d), span_of(s))
 
@@ -110,7 +114,7 @@ class Mover:
             for d, s in pairs:  # into buffers that live as long as the pool: nothing to record
                 d.copy_(s, non_blocking=True)
 
-        return self.lanes.load.run(fn, deps)
+        return self.lanes.weights.run(fn, deps)
 
     def _paced(self, dst: Span, src: Span, deps: Iterable[Event]) -> Event:
         """A large host-to-device copy enqueued chunk by chunk, never more than IN_FLIGHT chunks
@@ -142,10 +146,15 @@ class Mover:
 
     def link_seconds(self) -> float:
         """Seconds host-to-device copies have kept the link busy so far (copies still in flight
-        are counted once they end). Zero without CUDA."""
-        while self._timed and self._timed[0][1].query():  # copies end in the order they were queued
+        are counted once they end; time when copies of two streams overlap, once). Zero without
+        CUDA."""
+        while self._timed and self._timed[0][1].query():  # in the order they were queued
             start, end = self._timed.popleft()
-            self.link_s += start.elapsed_time(end) / 1e3
+            if self._ref is None:
+                self._ref = start
+            a, b = self._ref.elapsed_time(start), self._ref.elapsed_time(end)
+            self.link_s += max(0.0, b - max(a, self._busy_to)) / 1e3
+            self._busy_to = max(self._busy_to, b)
         return self.link_s
 
     def _count(self, dst: Span, src: Span) -> None:

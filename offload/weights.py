@@ -173,7 +173,7 @@ class WeightStore:
         for tier, lo, hi, base in parts:
             if hi > lo:
                 src = Span(home[tier], lo - base, hi - lo)
-                ev = self.mover.copy(Span(slot.buf, lo - s.stage, hi - lo), src, deps, lane="load")
+                ev = self.mover.copy(Span(slot.buf, lo - s.stage, hi - lo), src, deps, lane="weights")
                 slot.track.wrote(ev)
         if self.adapters is not None:  # the block's LoRA of this layer goes along, into the slot's pages
             for ev in self.adapters.stage(j, idx, deps, self.mover):
