@@ -148,11 +148,13 @@ class Mover:
         """Seconds host-to-device copies have kept the link busy so far (copies still in flight
         are counted once they end; time when copies of two streams overlap, once). Zero without
         CUDA."""
+        done = []
         while self._timed and self._timed[0][1].query():  # in the order they were queued
-            start, end = self._timed.popleft()
-            if self._ref is None:
-                self._ref = start
-            a, b = self._ref.elapsed_time(start), self._ref.elapsed_time(end)
+            done.append(self._timed.popleft())
+        if done and self._ref is None:
+            self._ref = done[0][0]
+        ref = self._ref
+        for a, b in sorted((ref.elapsed_time(start), ref.elapsed_time(end)) for start, end in done):
             self.link_s += max(0.0, b - max(a, self._busy_to)) / 1e3
             self._busy_to = max(self._busy_to, b)
         return self.link_s
