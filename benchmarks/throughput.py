@@ -69,6 +69,7 @@ class Bench:
         self.env = environment()
         self.out, self.deadline = out, deadline
         self.done: dict[tuple, dict[str, Any]] = {}  # (policy, lengths) -> record
+        self.warmup = False  # run each policy once, unrecorded, before the run that is measured
         self.searched: dict[Any, Any] = {}  # a searched policy -> how to search it again
 
     def resolve(self, spec: Any, prompt_len: int, gen_len: int, n: int | None, **search: Any) -> Any:
@@ -92,6 +93,8 @@ class Bench:
             return None
         try:
             try:
+                if self.warmup:  # kernels compiled and tuned for the policy's shapes, buffers made
+                    self._measure(f"{label} warm-up", policy, prompt_len, gen_len, num_prompts, "warm-up")
                 rec = self._measure(label, policy, prompt_len, gen_len, num_prompts, kind)
             except GpuOutOfMemoryError:
                 if policy not in self.searched:
@@ -352,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline", type=int, default=None, metavar="BATCH", help="Accelerate baseline batch size")
     ap.add_argument("--smoke", action="store_true", help="tiny models on the CPU, the whole suite")
     ap.add_argument("--time-budget", type=float, default=None, help="seconds after which no new run starts")
+    ap.add_argument("--warmup", action="store_true", help="run each policy once, unrecorded, before its run")
     ap.add_argument("--no-flexoff", action="store_true", help="only the baseline")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     ap.add_argument("--replot", type=Path, nargs="+", default=None, metavar="RECORDS",
@@ -374,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_flexoff:
             bench = Bench(model, parse_size(args.gpu_mem), parse_size(args.cpu_mem), parse_size(args.disk_mem),
                           args.hardware, args.dtype, args.device, args.offload_dir, args.out, deadline)
+            bench.warmup = args.warmup
             try:
                 for s in args.prompt_len or [512]:
                     for n in args.gen_len or [32]:
