@@ -100,7 +100,7 @@ class RowStore:
         self._loaded: dict[Hashable, tuple[Any, torch.Tensor, list[Event], _Slot | None]] = {}
         self._slot_elems = sum(split.values()) * row_bytes // dtype.itemsize
         self._ring: list[_Slot] = []
-        self._slots, self._next = 0 if self.all_gpu else slots, 0
+        self._slots, self._next = slots, 0  # (a store all on the GPU never loads: no ring)
         self._taken: dict[Hashable, _Slot] = {}  # slots compute has taken, by key, until `read`
         self.unslotted = 0  # loads that found every slot holding a load not yet taken
 
@@ -109,8 +109,10 @@ class RowStore:
         return self.split["gpu"] == sum(self.split.values())
 
     def put(self, key: Hashable, h: torch.Tensor, tag: Any, ev: Event) -> None:
-        """Keep h, which compute produced by `ev`, under key."""
+        """Keep h, which compute produced by `ev`, under key; compute has read what it took under
+        key by then (a holder's next output follows its last input), so that slot is free after."""
         h, ev = self._own(h, ev)
+        self.read(key, ev)
         st = _Stored(tag, tuple(h.shape), None, ev)
         for tier, r0, r1 in row_segments(h.shape[0], self.split):
             if tier == "gpu":
@@ -242,9 +244,7 @@ class HiddenStore(RowStore):
 
     def put(self, kb: int, j: int, h: torch.Tensor, ev: Event) -> None:  # type: ignore[override]
         """Keep the output h (n, s, hidden) of layer j for batch kb until layer j + 1; compute
-        made it by `ev`, so it has read the input it took for batch kb by then."""
-        h, ev = self._own(h, ev)
-        self.read(kb, ev)
+        made it by `ev`."""
         super().put(kb, h, j, ev)
 
     def holds(self, kb: int, j: int) -> bool:  # type: ignore[override]

@@ -100,9 +100,7 @@ class Mover:
                 if t.is_cuda:
                     t.record_stream(torch.cuda.current_stream(t.device))
 
-        lanes = {"load": self.lanes.load, "weights": self.lanes.weights, "fetch": self.lanes.fetch,
-                 "store": self.lanes.store}
-        return lanes[lane].run(fn, deps)
+        return getattr(self.lanes, lane).run(fn, deps)  # the lane of that name
 
     def copy_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], deps: Iterable[Event] = ()) -> Event:
         """Many small memory-to-memory copies (dst, src tensors of equal size) in one task on the
