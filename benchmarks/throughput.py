@@ -32,7 +32,7 @@ from flexoff.errors import GpuOutOfMemoryError
 
 COLUMNS = ["label", "model", "policy", "prefill_s", "decode_s", "gen_tok_s", "decode_tok_s", "predicted_tok_s",
            "measured/predicted", "decode_bound_s", "decode/bound", "decode_link_busy", "decode_link_GBps",
-           "peak_gpu_GiB", "peak_cpu_GiB"]
+           "peak_gpu_GiB", "peak_cpu_GiB", "decode_alloc_retries"]
 
 
 def parse_policy(text: str) -> Any:
@@ -94,7 +94,9 @@ class Bench:
         try:
             try:
                 if self.warmup:  # kernels compiled and tuned for the policy's shapes, buffers made
-                    self._measure(f"{label} warm-up", policy, prompt_len, gen_len, num_prompts, "warm-up")
+                    first = self._measure(f"{label} warm-up", policy, prompt_len, gen_len, num_prompts, "warm-up")
+                    if self.out is not None:  # recorded apart: how a process's first run differs
+                        write_jsonl(self.out / "warmups.jsonl", [first])
                 rec = self._measure(label, policy, prompt_len, gen_len, num_prompts, kind)
             except GpuOutOfMemoryError:
                 if policy not in self.searched:
@@ -168,7 +170,8 @@ class Bench:
                "measured/predicted": st.generation_throughput / pred.throughput,
                "decode_bound_s": bound, "decode/bound": st.decode_s / bound if bound else None,
                "decode/link_bound": st.decode_s / link if link else None, "decode_host_bound_s": host,
-               "pcie_bound_s": pcie, **link_use(td, st.decode_s), "traffic_prefill": st.traffic_prefill, "traffic_decode": td,
+               "pcie_bound_s": pcie, **link_use(td, st.decode_s),
+               "decode_alloc_retries": td.get("alloc_retries"), "traffic_prefill": st.traffic_prefill, "traffic_decode": td,
                "peak_bytes": st.peak_bytes, "peak_gpu_GiB": st.peak_bytes.get("gpu", 0) / gib,
                "peak_cpu_GiB": st.peak_bytes.get("cpu", 0) / gib, **watch.stats(), "hardware": self.hw.name,
                **self.env}

@@ -94,10 +94,21 @@ def summarize(trace: dict[str, Any], window: str = "decode") -> dict[str, Any]:
             name = str(e.get("name", ""))[:80]
             kernels[name] = kernels.get(name, 0.0) + e["dur"]
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
-    return {"window": window, "window_us": width, "rows": rows,
+    return {"window": window, "window_us": width, "rows": rows, "runtime_calls": runtime_calls(spans, lo, hi),
             "h2d_gaps_us": [{"gap": g, "at": at} for g, at in gaps],
             "copy_waits_us": copy_waits(events, lo, hi),
             "kernels_us": [{"kernel": k, "us": v, "share": v / width} for k, v in top]}
+
+
+def runtime_calls(spans: list[dict[str, Any]], lo: float, hi: float, top: int = 12) -> list[dict[str, Any]]:
+    """The CUDA runtime calls that took the most host time in the window, per name: how many and
+    how long in all (cudaMalloc, cudaFree and synchronizations stall the thread that calls them)."""
+    calls: dict[str, list[float]] = {}
+    for e in spans:
+        if e.get("cat") == "cuda_runtime" and lo <= e["ts"] < hi:
+            calls.setdefault(str(e.get("name", "")), []).append(e["dur"])
+    rows = [{"call": k, "count": len(v), "total_us": sum(v), "max_us": max(v)} for k, v in calls.items()]
+    return sorted(rows, key=lambda r: -r["total_us"])[:top]
 
 
 def copy_waits(events: list[dict[str, Any]], lo: float, hi: float) -> list[dict[str, Any]]:
@@ -183,6 +194,7 @@ def main() -> int:
           ", ".join(f"{k} {v:.3g}" for k, v in allocator.items()))
     print(table(summary.get("rows", []), ["what", "busy", "events"]))
     print(table(summary.get("h2d_gaps_us", []), ["gap", "at"]))
+    print(table(summary.get("runtime_calls", []), ["call", "count", "total_us", "max_us"]))
     print(table(summary.get("copy_waits_us", []), ["stream", "copy", "copies", "median", "mean", "max"]))
     print(table(summary.get("kernels_us", []), ["kernel", "us", "share"]))
     return 0

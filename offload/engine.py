@@ -340,6 +340,8 @@ class Engine:
     def traffic(self) -> dict[str, float]:
         """Bytes issued so far: by copy path, and KV bytes read by CPU attention; seconds the main
         thread waited for CPU attention and the CPU lane spent on it, and seconds the link was busy
-        with the engine's host-to-device copies (CUDA)."""
+        with the engine's host-to-device copies (CUDA), and the CUDA allocator's retries (an
+        allocation that found the memory cap reached, synchronized the device and freed its cache)."""
+        retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if self.lanes.cuda else 0
         return {**self.mover.traffic, "cpu_attention": self.cpu_attention_bytes, **self.timing,
-                "h2d_busy_s": self.mover.link_seconds()}
+                "h2d_busy_s": self.mover.link_seconds(), "alloc_retries": retries}
