@@ -294,10 +294,9 @@ class Engine:
             if slots >= 4 and self.kv.cpu_compute and not run.training else []
         if p.overlap and sweeps:
             self.stage(run, L - 1 if sweeps[0].backward else 0)
-        # staged KV rows (CPU and disk rows the GPU attends over; disk rows only, under CPU
-        # attention) load this many attention steps ahead, into a ring of one slot more: the next
-        # attention layer's first ones while the MLP layer before it runs (policy.cache_slots)
-        deep = self.kv.lookahead if p.overlap else 0
+        # staged KV rows (disk rows under CPU attention) load this many attention steps ahead, into
+        # a ring of one slot more: the next layer's, while the MLP layer before it runs
+        deep = self.kv.lookahead if p.overlap and self.kv.cpu_compute else 0
         if os.environ.get("FLEXOFF_CACHE_AHEAD") == "0":  # one step ahead only, for comparisons
             deep = min(deep, 1)
         depth = int(os.environ.get("FLEXOFF_HOST_AHEAD", HOST_AHEAD)) if p.overlap and self.lanes.cuda else 0

@@ -240,7 +240,7 @@ class KVStore:
             assert home.track.tag >= t, f"KV rows of layer {li} hold {home.track.tag} tokens, need {t}"
             off, nbytes = self._bytes(rows, 0, t)
             deps = slot.track.claim() + home.track.read_deps()
-            ev = self.mover.copy(Span(slot.buf, 0, nbytes), Span(home.buf, off, nbytes), deps, lane="cache")
+            ev = self.mover.copy(Span(slot.buf, 0, nbytes), Span(home.buf, off, nbytes), deps, lane="load")
             slot.track.wrote(ev)
             home.track.was_read(ev)
 

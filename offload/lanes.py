@@ -158,9 +158,9 @@ class ComputeLane:
 
 
 class Lanes:
-    """All lanes of one engine: compute, load (toward compute), weights and cache (layers' weights
-    and staged KV rows toward compute: on CUDA each a stream of its own unless copies are paced, so
-    a copy waiting for its slot's last reader does not hold up the copies queued behind it), fetch
+    """All lanes of one engine: compute, load (toward compute), weights (layers' weights toward
+    compute: on CUDA a stream of its own unless copies are paced, so a weight copy waiting for its
+    slot's last reader does not hold up the KV cache and activations queued behind it), fetch
     (toward compute too, for a training window's stashed inputs: never queued behind a weight
     copy), store (away from it), disk read, disk write, CPU attention and a lane for its inputs
     (its thread sends its output), and (CUDA, `pace`) the feed that paces large copies onto the
@@ -175,10 +175,6 @@ class Lanes:
         self.fetch: StreamLane | ThreadLane = StreamLane("fetch", device) if self.cuda else self.load
         own = self.cuda and not pace and os.environ.get("FLEXOFF_WEIGHTS_STREAM") != "0"  # 0: as before, on load
         self.weights: StreamLane | ThreadLane = StreamLane("weights", device) if own else self.load
-        # staged KV rows load ahead into a ring; a load waiting for its slot's last reader must not
-        # hold up the hidden states queued behind it (FLEXOFF_CACHE_STREAM=0: on the load stream)
-        own_cache = own and os.environ.get("FLEXOFF_CACHE_STREAM") != "0"
-        self.cache: StreamLane | ThreadLane = StreamLane("cache", device) if own_cache else self.load
         self.disk_read = ThreadLane("disk-read")
         self.disk_write = ThreadLane("disk-write")
         self.cpu = ThreadLane("cpu-attention")
@@ -198,7 +194,7 @@ class Lanes:
     def _all(self) -> list:
         return [self.load, self.store, self.disk_read, self.disk_write, self.cpu_down, self.cpu] \
             + ([self.feed] if self.feed else []) + ([self.fetch] if self.fetch is not self.load else []) \
-            + [lane for lane in (self.weights, self.cache) if lane is not self.load]
+            + ([self.weights] if self.weights is not self.load else [])
 
     def sync(self) -> None:
         """Wait for everything issued so far (used at block edges and with overlap off)."""

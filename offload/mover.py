@@ -63,7 +63,7 @@ class Mover:
         self._spilling: deque[Event] = deque()  # disk writes of transient tensors, oldest first
 
     def copy(self, dst: Span, src: Span, deps: Iterable[Event] = (),
-             lane: Literal["load", "weights", "cache", "fetch", "store"] = "load", transient: bool = False) -> Event:
+             lane: Literal["load", "weights", "fetch", "store"] = "load", transient: bool = False) -> Event:
         """Copy src's bytes to dst after `deps`. `transient`: src is a compute output that lives
         only until copied; a disk write of one is started only while fewer than SPILLING others
         are unwritten (the host waits), so a disk slower than compute does not pile them up in
@@ -84,7 +84,7 @@ class Mover:
             return ev
 
         deps = list(deps)
-        if lane in ("load", "weights", "cache") and self.lanes.feed is not None and dst.buf.is_cuda and not src.buf.is_cuda \
+        if lane in ("load", "weights") and self.lanes.feed is not None and dst.buf.is_cuda and not src.buf.is_cuda \
                 and src.nbytes > IN_FLIGHT * LINK_CHUNK and not any(d.host_pending for d in deps):
             return self.lanes.feed.run(lambda: self._paced(dst, src, deps))
 

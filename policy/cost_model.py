@@ -132,10 +132,9 @@ class CostModel:
                         else [] for k in KINDS}
         self.slots = weight_slots(choice.cpu_cache_compute)  # the engine's GPU weight slots
         self.cache_slots = cache_slots(choice.cpu_cache_compute, choice.num_gpu_batches)
-        # the engine loads an attention layer's staged rows (CPU and disk rows the GPU attends
-        # over; disk rows only, under CPU attention) while the MLP layer before it runs (a ring of
-        # cache slots): their reads are priced over the (attn, mlp) pair
-        self.cache_ahead = choice.overlap and self.count["attn"] == self.count["mlp"] > 0
+        # with CPU attention the engine loads an attention layer's disk rows while the MLP layer
+        # before it runs (a ring of cache slots): their reads are priced over the (attn, mlp) pair
+        self.cache_ahead = choice.cpu_cache_compute and choice.overlap and self.count["attn"] == self.count["mlp"] > 0
         # and with several GPU batches, one batch's CPU attention runs beside the GPU work and
         # copies of the next: it is priced over the pair too
         self.cpu_pooled = self.cache_ahead and choice.num_gpu_batches > 1
@@ -242,30 +241,23 @@ class CostModel:
         loaded ahead."""
         if not self.cache_ahead:
             return {}
-        hw = self.hw
-        staged, disk = self.staged_rows(x)
+        hw, bls, ctx = self.hw, self.ch.bls, self.work.prompt_len + self.work.gen_len / 2
+        rows = x["cd"] * bls * ctx * self.kv
         attn, mlp = terms[("g", "attn")], terms[("g", "mlp")]
-        link = attn["ctog"] + mlp["ctog"] + staged / hw.ctog_bdw
-        read, sec = self.cpu_attention(x) if self.ch.cpu_cache_compute else (0, 0)
-        out = {"ctog": link, "dtoc": attn["dtoc"] + mlp["dtoc"] + disk / hw.dtoc_bdw,
+        link = attn["ctog"] + mlp["ctog"] + rows / hw.ctog_bdw
+        read, sec = self.cpu_attention(x)
+        out = {"ctog": link, "dtoc": attn["dtoc"] + mlp["dtoc"] + rows / hw.dtoc_bdw,
                "cpu_mem": (link * hw.ctog_bdw + read) / hw.cpu_mem_bdw}
         if self.cpu_pooled:
             out["cpu_comp"] = sec / CPU_LANE_SHARE
         return out
 
-    def staged_rows(self, x: Mapping[str, Any]) -> tuple[Any, Any]:
-        """Cache bytes an attention layer's decode step loads for the GPU to attend over (CPU rows
-        unless CPU attention reads them in place, and disk rows), and those of them read from disk."""
-        per_row = self.ch.bls * (self.work.prompt_len + self.work.gen_len / 2) * self.kv
-        staged = x["cd"] + (0 if self.ch.cpu_cache_compute else x["cc"])
-        return staged * per_row, x["cd"] * per_row
-
     def pooled_traffic(self, x: Mapping[str, Any]) -> Any:
         """Seconds of transfers per decode pair that cache_pool adds to the layers' own terms."""
         if not self.cache_ahead:
             return 0
-        staged, disk = self.staged_rows(x)
-        return staged / self.hw.ctog_bdw + disk / self.hw.dtoc_bdw
+        rows = x["cd"] * self.ch.bls * (self.work.prompt_len + self.work.gen_len / 2) * self.kv
+        return rows / self.hw.ctog_bdw + rows / self.hw.dtoc_bdw
 
     # ---- memory --------------------------------------------------------
     def cache_memory(self, x: Mapping[str, Any]) -> dict[str, Any]:

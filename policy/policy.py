@@ -40,12 +40,11 @@ def act_load_slots(all_gpu: bool) -> int:
 
 
 def cache_slots(cpu_cache_compute: bool, num_gpu_batches: int) -> int:
-    """GPU slots the engine loads a (layer, batch)'s staged KV rows into, a ring one longer than
-    the attention steps loaded ahead. Where the GPU attends over CPU rows: three (this step's and
-    the next two, so the next attention layer's first two batches load while the MLP layer before
-    it runs; with two, the link idled through each MLP layer). With CPU attention only disk rows
-    are staged (few): one per GPU batch and one more, the next attention layer's whole."""
-    return num_gpu_batches + 1 if cpu_cache_compute else 3
+    """GPU slots the engine loads a (layer, batch)'s staged KV rows into: two (this step's and the
+    next's) where the GPU attends over CPU rows; with CPU attention only disk rows are staged (few),
+    and there is one per GPU batch and one more, so the next attention layer's rows load from disk
+    while the MLP layer before it runs."""
+    return num_gpu_batches + 1 if cpu_cache_compute else 2
 
 
 @dataclass(frozen=True)

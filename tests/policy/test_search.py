@@ -67,16 +67,9 @@ def test_lp_optimum_is_never_worse_than_a_grid_point(gbs, nb, cpu_attn):
 def test_overlap_off_costs_the_sum_of_terms():
     s = spec("opt-6.7b")
     x = {"wg": 0.2, "wc": 0.8, "wd": 0, "cg": 0, "cc": 1, "cd": 0, "hg": 1, "hc": 0, "hd": 0}
-    model = CostModel(s, T4, W512, Choice(8, 2))
-    on = model.evaluate(x)
+    on = CostModel(s, T4, W512, Choice(8, 2)).evaluate(x)
     off = CostModel(s, T4, W512, Choice(8, 2, overlap=False)).evaluate(x)
-    # with overlap the CPU cache rows load while the MLP layer before runs: priced over the pair
-    staged = model.staged_rows(x)[0] / T4.ctog_bdw
-    assert staged > 0
     for key, terms in on.terms.items():
-        if key == "g/attn":
-            assert off.terms[key]["ctog"] == pytest.approx(terms["ctog"] + staged)
-            terms = {**terms, "ctog": off.terms[key]["ctog"]}
         assert off.terms[key] == terms
     assert off.latency > on.latency
 
