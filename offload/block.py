@@ -238,7 +238,9 @@ class Clock:
         self.prefill_s = 0.0
 
     def _deliver(self, d: int) -> None:
-        self.events[d].wait_host()
+        t0 = time.perf_counter()
+        self.events[d].wait_host()  # the host ran ahead of the device by this long
+        self.engine.timing["wait_tokens_s"] += time.perf_counter() - t0
         self.stop = self.on_tokens(d, [st.tokens_host[d] for st in self.states])
         self.delivered = d
 
