@@ -24,18 +24,16 @@ HOST_STEP_REPEATS = 3  # measured runs of the host step, after a warm-up
 
 
 def host_step(dev: torch.device, offload_dir: str | None = None, nb: int = 4, gen: int = 16,
-              lora: bool = False, streamed: bool = False, repeats: int = HOST_STEP_REPEATS) -> float:
+              lora: bool = False, repeats: int = HOST_STEP_REPEATS) -> float:
     """Seconds of host work per engine step (one layer of one GPU batch): the decode of a tiny
     model, whose kernels take next to no time, with its KV cache compressed in CPU memory and
     its activations there too (a step's most work: loads, stores, quantization). The median of
     `repeats` runs after a warm-up of the same length: a first run also compiles kernels for the
     run's shapes, and measured alone it read up to twice the steps' cost (1.1-1.5 ms where later
     runs read 0.5-0.9 on the same H100). `lora`: every row with an adapter of its own (rank 8 on
-    every linear layer). `streamed`: the weights in CPU memory, each layer copied in as it runs
-    (its copies, slots and events are host work too)."""
-    w = 0 if streamed else 100
-    p = Policy(gpu_batch_size=2, num_gpu_batches=nb, w_gpu_percent=w, w_cpu_percent=100 - w, cache_gpu_percent=0,
-               cache_cpu_percent=100, act_gpu_percent=0, act_cpu_percent=100, compress_cache=True)
+    every linear layer)."""
+    p = Policy(gpu_batch_size=2, num_gpu_batches=nb, cache_gpu_percent=0, cache_cpu_percent=100,
+               act_gpu_percent=0, act_cpu_percent=100, compress_cache=True)
     prompts = [{"prompt_ids": [5 + i, 6, 7, 8], "adapter": f"a{i}" if lora else None} for i in range(2 * nb)]
     with LLM("dummy:opt-tiny", policy=p, device=dev, offload_dir=offload_dir) as llm:
         llm.model.tokenizer.eos_ids = ()  # every step runs
@@ -66,10 +64,8 @@ def measure(offload_dir: str | None = None, quick: bool = False) -> Hardware:
     """Measure this machine, the engine's host step (and what LoRA adds to it) included."""
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     base = host_step(dev, offload_dir)
-    streamed = host_step(dev, offload_dir, streamed=True)
     extra = max(0.0, host_step(dev, offload_dir, lora=True) - base)
-    return replace(hardware.measure(offload_dir, quick=quick), host_step_s=base, stream_host_step_s=streamed,
-                   lora_host_step_s=extra)
+    return replace(hardware.measure(offload_dir, quick=quick), host_step_s=base, lora_host_step_s=extra)
 
 
 def load(name_or_path: str | None, offload_dir: str | None = None,

@@ -32,7 +32,7 @@ import torch
 from flexoff.errors import FlexoffError
 
 GB = 1e9
-UNMEASURED_ZERO = ("host_step_s", "stream_host_step_s", "lora_host_step_s", "gpu_mem_bdw")  # fields that may be 0
+UNMEASURED_ZERO = ("host_step_s", "lora_host_step_s", "gpu_mem_bdw")  # fields that may be 0
 
 
 @dataclass(frozen=True)
@@ -58,18 +58,11 @@ class Hardware:
     dequant_bdw: float  # bytes/s of dense output of 4-bit dequantization on the device
     cpu_dequant_bdw: float  # ... on the CPU (CPU attention over a compressed cache)
     host_step_s: float = 0.0  # seconds of host work per engine step (one layer of one GPU batch)
-    stream_host_step_s: float = 0.0  # ... where the layer's weights stream in (0: host_step_s)
     lora_host_step_s: float = 0.0  # ... that LoRA adapters on the batch's rows add to a step
     # FLOP/s of prefill matmuls at a transformer layer's shapes (its projections with biases, as the
     # engine calls them), by hidden size: ((hidden, FLOP/s), ...); empty: mm_flops_p at any size
     mm_flops_p_layers: tuple[tuple[int, float], ...] = ()
     gpu_mem_bdw: float = 0.0  # bytes/s (read plus written) of the device's elementwise passes; 0: unpriced
-
-    def layer_host_step(self, streamed: Any) -> Any:
-        """Seconds of host work per engine step of a layer whose weights stream in by `streamed`
-        (1: every byte, 0: none; between, a share, as the LP places weights)."""
-        extra = max(0.0, self.stream_host_step_s - self.host_step_s) if self.stream_host_step_s else 0.0
-        return self.host_step_s + streamed * extra
 
     def prefill_mm_flops(self, hidden: int) -> float:
         """FLOP/s of prefill matmuls for a model of this hidden size: the rate measured at the

@@ -209,22 +209,6 @@ def test_host_work_per_step_is_priced_per_gpu_batch():
     assert gap > 0 and max(mlp, key=mlp.get) == "host"  # 24 ms of steps against 4 ms of weights
 
 
-def test_streamed_weights_cost_their_own_host_step():
-    """A layer whose weights stream in pays the profile's streamed host step, a resident one the
-    plain step, a layer streamed by half half the difference; an older profile (no streamed
-    step) prices every layer at the plain one."""
-    from dataclasses import replace
-
-    s = spec("opt-30b")
-    hw = replace(h200(), host_step_s=1e-3, stream_host_step_s=3e-3)
-    model = CostModel(s, hw, W512, Choice(16, 4))
-    base = {"cg": 1, "cc": 0, "cd": 0, "hg": 1, "hc": 0, "hd": 0}
-    host = {wg: model.terms({**base, "wg": wg, "wc": 1 - wg, "wd": 0})[("g", "mlp")]["host"] for wg in (0, 0.5, 1)}
-    assert host == pytest.approx({0: 12e-3, 0.5: 8e-3, 1: 4e-3})
-    old = CostModel(s, replace(hw, stream_host_step_s=0.0), W512, Choice(16, 4))
-    assert old.terms({**base, "wg": 0, "wc": 1, "wd": 0})[("g", "mlp")]["host"] == pytest.approx(4e-3)
-
-
 def test_profiles_without_the_host_step_still_load(tmp_path):
     import json
     from dataclasses import asdict
