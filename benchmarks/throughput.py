@@ -32,7 +32,7 @@ from flexoff.errors import GpuOutOfMemoryError
 
 COLUMNS = ["label", "model", "policy", "prefill_s", "decode_s", "gen_tok_s", "decode_tok_s", "predicted_tok_s",
            "measured/predicted", "decode_bound_s", "decode/bound", "decode_link_busy", "decode_link_GBps",
-           "peak_gpu_GiB", "peak_cpu_GiB", "decode_alloc_retries", "host_step_ms", "decode_wait_tokens_s"]
+           "peak_gpu_GiB", "peak_cpu_GiB", "decode_alloc_retries"]
 
 
 def parse_policy(text: str) -> Any:
@@ -171,7 +171,6 @@ class Bench:
                "decode_bound_s": bound, "decode/bound": st.decode_s / bound if bound else None,
                "decode/link_bound": st.decode_s / link if link else None, "decode_host_bound_s": host,
                "pcie_bound_s": pcie, **link_use(td, st.decode_s), "decode_alloc_retries": td.get("alloc_retries"),
-               **host_use(td, (gen_len - 1) * st.blocks * len(spec.layers) * p.num_gpu_batches),
                "traffic_prefill": st.traffic_prefill, "traffic_decode": td,
                "peak_bytes": st.peak_bytes, "peak_gpu_GiB": st.peak_bytes.get("gpu", 0) / gib,
                "peak_cpu_GiB": st.peak_bytes.get("cpu", 0) / gib, **watch.stats(), "hardware": self.hw.name,
@@ -213,15 +212,6 @@ def link_use(traffic: dict[str, Any], seconds: float) -> dict[str, Any]:
     if not busy or not seconds:
         return {}
     return {"decode_link_busy": busy / seconds, "decode_link_GBps": traffic.get("h2d", 0) / busy / 1e9}
-
-
-def host_use(traffic: dict[str, Any], steps: int) -> dict[str, Any]:
-    """The scheduling thread in decode: its CPU seconds, per layer step (one layer of one GPU
-    batch, `steps` of them: the cost model's host_step_s, measured on this run), and how long it
-    waited for a token step's tokens (the time it ran ahead of the device)."""
-    cpu = traffic.get("host_cpu_s")
-    return {"decode_host_cpu_s": cpu, "decode_wait_tokens_s": traffic.get("wait_tokens_s"),
-            "host_step_ms": cpu / steps * 1e3 if cpu is not None and steps > 0 else None}
 
 
 def naive_policies(bench: Bench, prompt_len: int, gen_len: int) -> list[Any]:

@@ -28,10 +28,10 @@ def host_step(dev: torch.device, offload_dir: str | None = None, nb: int = 4, ge
     """Seconds of host work per engine step (one layer of one GPU batch): the decode of a tiny
     model, whose kernels take next to no time, with its KV cache compressed in CPU memory and
     its activations there too (a step's most work: loads, stores, quantization). The median of
-    `repeats` runs after a warm-up of the same length: a first run also compiles kernels for the
-    run's shapes, and measured alone it read up to twice the steps' cost (1.1-1.5 ms where later
-    runs read 0.5-0.9 on the same H100). `lora`: every row with an adapter of its own (rank 8 on
-    every linear layer)."""
+    `repeats` runs after a warm-up of the same length: the first run at a length is slower (its
+    shapes are new), and one such run after a two-token warm-up read 1.13 ms on an H100 where 24
+    later runs read 0.50-0.90 (benchmarks/RESULTS.md). `lora`: every row with an adapter of its
+    own (rank 8 on every linear layer)."""
     p = Policy(gpu_batch_size=2, num_gpu_batches=nb, cache_gpu_percent=0, cache_cpu_percent=100,
                act_gpu_percent=0, act_cpu_percent=100, compress_cache=True)
     prompts = [{"prompt_ids": [5 + i, 6, 7, 8], "adapter": f"a{i}" if lora else None} for i in range(2 * nb)]

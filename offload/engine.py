@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import resource
 import sys
-import time
 from collections import deque
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
@@ -129,8 +128,8 @@ class Engine:
         if policy.cpu_cache_compute:  # build (or load) the CPU attention kernel now, not in a decode step
             cpu_kernel.enabled()
         self.cpu_attention_bytes = 0
-        self.timing = {"wait_cpu_attention_s": 0.0, "wait_tokens_s": 0.0, "cpu_attention_compute_s": 0.0,
-                       "cpu_attention_down_s": 0.0, "cpu_attention_stage_s": 0.0, "cpu_attention_calls": 0,
+        self.timing = {"wait_cpu_attention_s": 0.0, "cpu_attention_compute_s": 0.0, "cpu_attention_down_s": 0.0,
+                       "cpu_attention_stage_s": 0.0, "cpu_attention_calls": 0,
                        "cpu_attention_idle_layer_s": 0.0, "cpu_attention_idle_batch_s": 0.0}
 
     # ---- setup ---------------------------------------------------------
@@ -341,10 +340,8 @@ class Engine:
     def traffic(self) -> dict[str, float]:
         """Bytes issued so far: by copy path, and KV bytes read by CPU attention; seconds the main
         thread waited for CPU attention and the CPU lane spent on it, and seconds the link was busy
-        with the engine's host-to-device copies (CUDA), the CUDA allocator's retries (an
-        allocation that found the memory cap reached, synchronized the device and freed its
-        cache), and the CPU seconds of the calling thread (the block's scheduling thread, when the
-        block's clock asks: the host's own work, its waits not counted)."""
+        with the engine's host-to-device copies (CUDA), and the CUDA allocator's retries (an
+        allocation that found the memory cap reached, synchronized the device and freed its cache)."""
         retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if self.lanes.cuda else 0
         return {**self.mover.traffic, "cpu_attention": self.cpu_attention_bytes, **self.timing,
-                "h2d_busy_s": self.mover.link_seconds(), "alloc_retries": retries, "host_cpu_s": time.thread_time()}
+                "h2d_busy_s": self.mover.link_seconds(), "alloc_retries": retries}
