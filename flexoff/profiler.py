@@ -25,25 +25,32 @@ HOST_STEP_REPEATS = 3  # measured runs of the host step, after a warm-up
 
 def host_step(dev: torch.device, offload_dir: str | None = None, nb: int = 4, gen: int = 16,
               lora: bool = False, repeats: int = HOST_STEP_REPEATS) -> float:
-    """Seconds of host work per engine step (one layer of one GPU batch): the decode of a tiny
-    model, whose kernels take next to no time, with its KV cache compressed in CPU memory and
-    its activations there too (a step's most work: loads, stores, quantization). The median of
-    `repeats` runs after a warm-up of the same length: the first run at a length is slower (its
-    shapes are new), and one such run after a two-token warm-up read 1.13 ms on an H100 where 24
-    later runs read 0.50-0.90 (benchmarks/RESULTS.md). `lora`: every row with an adapter of its
-    own (rank 8 on every linear layer)."""
-    p = Policy(gpu_batch_size=2, num_gpu_batches=nb, cache_gpu_percent=0, cache_cpu_percent=100,
-               act_gpu_percent=0, act_cpu_percent=100, compress_cache=True)
+    """Seconds of host work per engine step (one layer of one GPU batch): the median of
+    host_step_runs. One run after a two-token warm-up (as before) read 1.13 ms on an H100 where
+    24 later runs read 0.50-0.90 (benchmarks/RESULTS.md): the first run at a length is slower."""
+    return statistics.median(host_step_runs(dev, offload_dir, nb=nb, gen=gen, lora=lora, repeats=repeats))
+
+
+def host_step_runs(dev: torch.device, offload_dir: str | None = None, model: str = "dummy:opt-tiny", nb: int = 4,
+                   gen: int = 16, lora: bool = False, repeats: int = HOST_STEP_REPEATS, w_gpu_percent: float = 100,
+                   compress_weight: bool = False) -> list[float]:
+    """Seconds per engine step of `repeats` decodes of `gen` tokens, after a warm-up of the same
+    length: a model whose kernels take next to no time (the tiny one), its KV cache compressed in
+    CPU memory and its activations there too (a step's most work: loads, stores, quantization),
+    `w_gpu_percent` of its weights on the device and the rest streamed from CPU memory. `lora`:
+    every row with an adapter of its own (rank 8 on every linear layer)."""
+    p = Policy(gpu_batch_size=2, num_gpu_batches=nb, w_gpu_percent=w_gpu_percent, w_cpu_percent=100 - w_gpu_percent,
+               cache_gpu_percent=0, cache_cpu_percent=100, act_gpu_percent=0, act_cpu_percent=100,
+               compress_cache=True, compress_weight=compress_weight)
     prompts = [{"prompt_ids": [5 + i, 6, 7, 8], "adapter": f"a{i}" if lora else None} for i in range(2 * nb)]
-    with LLM("dummy:opt-tiny", policy=p, device=dev, offload_dir=offload_dir) as llm:
+    with LLM(model, policy=p, device=dev, offload_dir=offload_dir) as llm:
         llm.model.tokenizer.eos_ids = ()  # every step runs
         if lora:
             for i in range(2 * nb):
                 llm.add_adapter(random_adapter(f"a{i}", llm.model.spec, 8, i))
         llm.generate(prompts, max_new_tokens=gen)
         steps = (gen - 1) * len(llm.model.spec.layers) * nb
-        runs = [llm.generate(prompts, max_new_tokens=gen).stats.decode_s / steps for _ in range(repeats)]
-    return statistics.median(runs)
+        return [llm.generate(prompts, max_new_tokens=gen).stats.decode_s / steps for _ in range(repeats)]
 
 
 def random_adapter(name: str, spec: Any, rank: int, seed: int, device: torch.device = torch.device("cpu"),
