@@ -7,9 +7,10 @@ The policy runs once to set up (weights placed, buffers pinned), then once more 
 Over the decode window (from the end of the prefill's token step to the last event; with `--window
 prefill`, up to it) it reports how busy each direction of the host-device link, each GPU stream and
 each CPU thread was, the longest gaps in host-to-device copies, how long each stream's copies
-waited to start, and the kernels that took the most GPU time. `--layers N` cuts the model to its
-first N blocks. Writes OUT/trace-summary.json and, when small enough, OUT/trace.json.gz (open it
-in chrome://tracing or Perfetto).
+waited to start, the CUDA runtime calls that took the host the most time, the kernels that took
+the most GPU time, and kernels per engine step (a layer of a GPU batch). `--layers N` cuts the
+model to its first N blocks. Writes OUT/trace-summary.json and, when small enough, OUT/trace.json.gz,
+else the device side alone as OUT/trace-device.json.gz (open it in chrome://tracing or Perfetto).
 """
 
 from __future__ import annotations
@@ -89,12 +90,15 @@ def summarize(trace: dict[str, Any], window: str = "decode") -> dict[str, Any]:
     h2d = union(clip(groups.get("link host to device", []), lo, hi))
     gaps = sorted(((b[0] - a[1], a[1] - lo) for a, b in zip(h2d, h2d[1:])), reverse=True)[:10]
     kernels: dict[str, float] = {}
+    launched = 0
     for e in spans:
         if e.get("cat") == "kernel" and lo <= e["ts"] < hi:
             name = str(e.get("name", ""))[:80]
             kernels[name] = kernels.get(name, 0.0) + e["dur"]
+            launched += 1
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
     return {"window": window, "window_us": width, "rows": rows, "runtime_calls": runtime_calls(spans, lo, hi),
+            "kernels": launched, "kernel_us": sum(kernels.values()),
             "h2d_gaps_us": [{"gap": g, "at": at} for g, at in gaps],
             "copy_waits_us": copy_waits(events, lo, hi),
             "kernels_us": [{"kernel": k, "us": v, "share": v / width} for k, v in top]}
@@ -109,6 +113,23 @@ def runtime_calls(spans: list[dict[str, Any]], lo: float, hi: float, top: int = 
             calls.setdefault(str(e.get("name", "")), []).append(e["dur"])
     rows = [{"call": k, "count": len(v), "total_us": sum(v), "max_us": max(v)} for k, v in calls.items()]
     return sorted(rows, key=lambda r: -r["total_us"])[:top]
+
+
+def slim(trace: dict[str, Any]) -> dict[str, Any]:
+    """The trace's device side only: kernels, copies and memsets, thread names, lane and token-step
+    marks (a whole model's decode records far more host ops than a trace file can keep)."""
+    keep = ("kernel", "gpu_memcpy", "gpu_memset")
+    return {"traceEvents": [e for e in trace.get("traceEvents", [])
+                            if e.get("cat") in keep or e.get("ph") == "M"
+                            or str(e.get("name", "")).startswith((LANE_MARK, "flexoff: token step"))]}
+
+
+def per_step(summary: dict[str, Any], steps: int) -> dict[str, Any]:
+    """Kernels and their device time per engine step (a layer of a GPU batch) in the window."""
+    if steps <= 0 or "kernels" not in summary:
+        return {}
+    return {"steps": steps, "kernels_per_step": summary["kernels"] / steps,
+            "kernel_us_per_step": summary["kernel_us"] / steps}
 
 
 def copy_waits(events: list[dict[str, Any]], lo: float, hi: float) -> list[dict[str, Any]]:
@@ -182,16 +203,24 @@ def main() -> int:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         raw = path.read_bytes()
-    summary = summarize(json.loads(raw), args.window)
+    trace = json.loads(raw)
+    summary = summarize(trace, args.window)
+    token_steps = args.gen_len - 1 if args.window == "decode" else 1
+    summary.update(per_step(summary, token_steps * len(spec.layers) * policy.num_gpu_batches))
     args.out.mkdir(parents=True, exist_ok=True)
     packed = gzip.compress(raw)
     if len(packed) <= MAX_TRACE:
         (args.out / "trace.json.gz").write_bytes(packed)
+    else:  # too large whole: the device side alone, where that fits
+        packed = gzip.compress(json.dumps(slim(trace)).encode())
+        if len(packed) <= MAX_TRACE:
+            (args.out / "trace-device.json.gz").write_bytes(packed)
     record = {**environment(), "policy": policy.describe(), "prompt_len": args.prompt_len, "gen_len": args.gen_len,
               "layers": args.layers, **allocator, **summary}
     write_jsonl(args.out / "trace-summary.jsonl", [record])
-    print(f"{policy.describe()}: {args.window} window {summary.get('window_us', 0) / 1e3:.1f} ms",
-          ", ".join(f"{k} {v:.3g}" for k, v in allocator.items()))
+    print(f"{policy.describe()}: {args.window} window {summary.get('window_us', 0) / 1e3:.1f} ms,",
+          f"{summary.get('kernels_per_step', 0):.1f} kernels and {summary.get('kernel_us_per_step', 0):.0f} us of",
+          "them per engine step;", ", ".join(f"{k} {v:.3g}" for k, v in allocator.items()))
     print(table(summary.get("rows", []), ["what", "busy", "events"]))
     print(table(summary.get("h2d_gaps_us", []), ["gap", "at"]))
     print(table(summary.get("runtime_calls", []), ["call", "count", "total_us", "max_us"]))

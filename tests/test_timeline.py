@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from timeline import summarize  # noqa: E402
+from timeline import per_step, slim, summarize  # noqa: E402
 
 
 def test_summary_counts_busy_time_and_gaps_in_the_decode_window():
@@ -39,6 +39,11 @@ def test_summary_counts_busy_time_and_gaps_in_the_decode_window():
     assert [g["gap"] for g in s["h2d_gaps_us"]] == [60, 20]
     assert s["h2d_gaps_us"][0]["at"] == pytest.approx(80)
     assert s["kernels_us"] == [{"kernel": "gemm", "us": 40, "share": pytest.approx(40 / 200)}]
+    assert per_step(s, 4) == {"steps": 4, "kernels_per_step": 0.25, "kernel_us_per_step": 10}
+    kept = slim(trace)["traceEvents"]  # the device side, names and marks; no host ops
+    assert [e["name"] for e in kept if e.get("cat") == "cpu_op"] == ["flexoff: token step 0 issued"]
+    assert sum(e.get("cat") == "gpu_memcpy" for e in kept) == 6 and any(e.get("cat") == "kernel" for e in kept)
+    assert any(e["name"] == "flexoff lane: cpu-attention" for e in kept) and kept[0]["ph"] == "M"
     pre = summarize(trace, "prefill")  # from the first event to the prefill's token step: 0..100
     rows = {r["what"]: r for r in pre["rows"]}
     assert pre["window_us"] == pytest.approx(100)
@@ -65,3 +70,5 @@ def test_copy_waits_match_copies_to_the_calls_that_queued_them():
     assert waits[(61, "HtoD")]["copies"] == 2 and waits[(61, "HtoD")]["max"] == pytest.approx(60)
     assert waits[(61, "HtoD")]["mean"] == pytest.approx(40)
     assert waits[(57, "DtoH")]["median"] == pytest.approx(1)
+    calls = summarize(trace)["runtime_calls"]  # host time in the runtime, per call name
+    assert calls == [{"call": "cudaMemcpyAsync", "count": 3, "total_us": 12, "max_us": 5}]
