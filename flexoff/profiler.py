@@ -26,30 +26,37 @@ HOST_STEP_REPEATS = 3  # measured runs of the host step, after a warm-up
 def host_step(dev: torch.device, offload_dir: str | None = None, nb: int = 4, gen: int = 16,
               lora: bool = False, repeats: int = HOST_STEP_REPEATS) -> float:
     """Seconds of host work per engine step (one layer of one GPU batch): the median of
-    host_step_runs. One run after a two-token warm-up (as before) read 1.13 ms on an H100 where
-    24 later runs read 0.50-0.90 (benchmarks/RESULTS.md): the first run at a length is slower."""
-    return statistics.median(host_step_runs(dev, offload_dir, nb=nb, gen=gen, lora=lora, repeats=repeats))
+    host_step_runs on host_probe(nb). One run after a two-token warm-up (as before) read 1.13 ms
+    on an H100 where 24 later runs read 0.50-0.90 (benchmarks/RESULTS.md): the first run at a
+    length is slower."""
+    return statistics.median(host_step_runs(dev, host_probe(nb), gen=gen, lora=lora, repeats=repeats,
+                                            offload_dir=offload_dir))
 
 
-def host_step_runs(dev: torch.device, offload_dir: str | None = None, model: str = "dummy:opt-tiny", nb: int = 4,
-                   gen: int = 16, lora: bool = False, repeats: int = HOST_STEP_REPEATS, w_gpu_percent: float = 100,
-                   compress_weight: bool = False) -> list[float]:
-    """Seconds per engine step of `repeats` decodes of `gen` tokens, after a warm-up of the same
-    length: a model whose kernels take next to no time (the tiny one), its KV cache compressed in
-    CPU memory and its activations there too (a step's most work: loads, stores, quantization),
-    `w_gpu_percent` of its weights on the device and the rest streamed from CPU memory. `lora`:
+def host_probe(nb: int = 4, w_gpu_percent: float = 100, compress_weight: bool = False) -> Policy:
+    """The profile's policy for the host step: GPU batches of two rows, the KV cache compressed in
+    CPU memory and the activations there too (a step's most work: loads, stores, quantization),
+    `w_gpu_percent` of the weights on the device and the rest streamed from CPU memory."""
+    return Policy(gpu_batch_size=2, num_gpu_batches=nb, w_gpu_percent=w_gpu_percent, w_cpu_percent=100 - w_gpu_percent,
+                  cache_gpu_percent=0, cache_cpu_percent=100, act_gpu_percent=0, act_cpu_percent=100,
+                  compress_cache=True, compress_weight=compress_weight)
+
+
+def host_step_runs(dev: torch.device, policy: Policy, model: str = "dummy:opt-tiny", gen: int = 16,
+                   lora: bool = False, repeats: int = HOST_STEP_REPEATS, offload_dir: str | None = None) -> list[float]:
+    """Seconds per engine step of `repeats` decodes of one block of four-token prompts for `gen`
+    tokens under `policy`, after a warm-up of the same length, on a model whose kernels and copies
+    take next to no time (the tiny one, or a config of its widths): the host's own work. `lora`:
     every row with an adapter of its own (rank 8 on every linear layer)."""
-    p = Policy(gpu_batch_size=2, num_gpu_batches=nb, w_gpu_percent=w_gpu_percent, w_cpu_percent=100 - w_gpu_percent,
-               cache_gpu_percent=0, cache_cpu_percent=100, act_gpu_percent=0, act_cpu_percent=100,
-               compress_cache=True, compress_weight=compress_weight)
-    prompts = [{"prompt_ids": [5 + i, 6, 7, 8], "adapter": f"a{i}" if lora else None} for i in range(2 * nb)]
-    with LLM(model, policy=p, device=dev, offload_dir=offload_dir) as llm:
+    n = policy.block_size
+    prompts = [{"prompt_ids": [5 + i % 400, 6, 7, 8], "adapter": f"a{i}" if lora else None} for i in range(n)]
+    with LLM(model, policy=policy, device=dev, offload_dir=offload_dir) as llm:
         llm.model.tokenizer.eos_ids = ()  # every step runs
         if lora:
-            for i in range(2 * nb):
+            for i in range(n):
                 llm.add_adapter(random_adapter(f"a{i}", llm.model.spec, 8, i))
         llm.generate(prompts, max_new_tokens=gen)
-        steps = (gen - 1) * len(llm.model.spec.layers) * nb
+        steps = (gen - 1) * len(llm.model.spec.layers) * policy.num_gpu_batches
         return [llm.generate(prompts, max_new_tokens=gen).stats.decode_s / steps for _ in range(repeats)]
 
 

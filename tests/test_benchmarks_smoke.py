@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 RUN_KEYS = {"kind", "label", "model", "prompt_len", "gen_len", "policy", "policy_json", "prefill_s", "decode_s",
             "gen_tok_s", "decode_tok_s", "peak_bytes", "device", "torch", "commit", "predicted_tok_s",
@@ -65,6 +67,22 @@ def test_finetune_curve_writes_both_bases(tmp_path):
     for r in recs:
         assert len(r["losses"]) == 3 and list(r["eval"]) == ["3"] and r["eval"]["3"] > 0
     assert recs[0]["losses"][0] != recs[1]["losses"][0]  # the bases differ
+
+
+def test_host_step_measures_a_policy_at_a_models_depth(tmp_path):
+    """benchmarks/host_step.py --policy: the policy as given, at the depth of the model named (the
+    tiny model's 2 blocks here: 6 engine layers), one record per policy."""
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_step.py"), "--policy",
+                           "4x2:0,100,50,50,0,100:wk", "--policy", "2x3:100,0,100,0,100,0", "--depth-of",
+                           "dummy:opt-tiny", "--gen-len", "3", "--repeats", "1", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    recs = [json.loads(l) for l in (tmp_path / "host-step.jsonl").read_text().splitlines()]
+    assert [r["policy"].split()[0] for r in recs] == ["4x2", "2x3"]
+    assert "compress_weight" in recs[0]["policy"] and "compress" not in recs[1]["policy"]
+    for r, nb in zip(recs, (2, 3)):
+        assert len(r["runs_ms"]) == 1 and r["median_ms"] > 0
+        assert r["token_step_host_ms"] == pytest.approx(r["median_ms"] * 6 * nb)
 
 
 def test_gpu_only_benchmarks_say_so_without_cuda(tmp_path):
