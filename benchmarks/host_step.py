@@ -36,6 +36,7 @@ from common import environment, table, write_jsonl
 from throughput import parse_policy
 
 from flexoff.dummy import CONFIGS, dummy_config
+from flexoff.errors import FlexoffError
 from flexoff.profiler import host_probe, host_step_runs
 
 
@@ -93,10 +94,14 @@ def main() -> int:
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     with tempfile.TemporaryDirectory() as tmp:
-        if args.policy:
-            rows = policy_suite(dev, args.repeats, Path(tmp), args.policy, args.depth_of, args.gen_len)
-        else:
-            rows = probe_suite(dev, args.repeats, Path(tmp))
+        try:
+            if args.policy:
+                rows = policy_suite(dev, args.repeats, Path(tmp), args.policy, args.depth_of, args.gen_len)
+            else:
+                rows = probe_suite(dev, args.repeats, Path(tmp))
+        except FlexoffError as e:  # e.g. --depth-of naming no dummy model, a policy over the budget
+            print(f"host_step.py: {e}", file=sys.stderr)
+            return 2
     env = environment()
     write_jsonl(args.out / "host-step.jsonl", [{**env, **r} for r in rows])
     return 0
