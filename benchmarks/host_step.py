@@ -37,6 +37,7 @@ from throughput import parse_policy
 
 from flexoff.dummy import CONFIGS, dummy_config
 from flexoff.errors import FlexoffError
+from flexoff.models.spec import ModelSpec
 from flexoff.profiler import host_probe, host_step_runs
 
 
@@ -66,16 +67,16 @@ def probe_suite(dev: torch.device, repeats: int, tmp: Path) -> list[dict[str, An
 
 def policy_suite(dev: torch.device, repeats: int, tmp: Path, policies: list[str], like: str,
                  gen: int) -> list[dict[str, Any]]:
-    name = like.removeprefix("dummy:")
-    layers = dummy_config(name)["num_hidden_layers"]
+    layers = dummy_config(like.removeprefix("dummy:"))["num_hidden_layers"]
+    config = {**CONFIGS["opt-tiny"], "num_hidden_layers": layers}
     narrow = tmp / "narrow.json"
-    narrow.write_text(json.dumps({**CONFIGS["opt-tiny"], "num_hidden_layers": layers}))
+    narrow.write_text(json.dumps(config))
+    engine_layers = len(ModelSpec.from_config("narrow", config).layers)
     out = []
     for text in policies:
         p = parse_policy(text)
         runs = host_step_runs(dev, p, f"dummy:{narrow}", gen, repeats=repeats)
         step = statistics.median(runs)
-        engine_layers = 2 * layers + 2  # embedding, attention and MLP per block, head
         out.append({"kind": "policy", "policy": p.describe(), "depth_of": like, "tokens": gen,
                     "runs_ms": [r * 1e3 for r in runs], "median_ms": step * 1e3,
                     "token_step_host_ms": step * engine_layers * p.num_gpu_batches * 1e3})
@@ -87,7 +88,8 @@ def policy_suite(dev: torch.device, repeats: int, tmp: Path, policies: list[str]
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--policy", action="append", default=None, help="GBSxNB:wg,wc,cg,cc,hg,hc[:flags], as throughput.py")
+    ap.add_argument("--policy", action="append", default=None,
+                    help="GBSxNB:wg,wc,cg,cc,hg,hc[:flags], as throughput.py")
     ap.add_argument("--depth-of", default="dummy:opt-30b", help="a dummy model whose layer count the policies run at")
     ap.add_argument("--gen-len", type=int, default=8, help="tokens per measured decode (with --policy)")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out"))

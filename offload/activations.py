@@ -139,13 +139,15 @@ class RowStore:
         it: what keeps h longer (or reads it on another lane) must keep a copy."""
         return any(h.untyped_storage().data_ptr() == s.buf.untyped_storage().data_ptr() for s in self._ring)
 
+    def owned(self, h: torch.Tensor) -> torch.Tensor:
+        """h, or a copy of it (made on compute) where it is a ring slot's memory: for what keeps h
+        past the slot's next load."""
+        return h.clone() if self.lends(h) else h
+
     def _own(self, h: torch.Tensor, ev: Event) -> tuple[torch.Tensor, Event]:
-        """h, or a copy of it where it is a ring slot's memory (an input returned as it was);
-        and the event that made it."""
-        if not self.lends(h):
-            return h, ev
-        h = h.clone()
-        return h, self.lanes.compute.mark()
+        """owned(h), and the event that made it (an input returned as it was is copied now)."""
+        kept = self.owned(h)
+        return (h, ev) if kept is h else (kept, self.lanes.compute.mark())
 
     def read(self, key: Hashable, ev: Event) -> None:
         """Compute is done with what it took under key by `ev` (every reader of it issued, some

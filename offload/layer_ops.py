@@ -99,7 +99,7 @@ class LayerOp:
         h, hdeps = e.hidden.take(step.k, self.j)
         e.lanes.compute.wait(deps + hdeps)
         if run.trains[step.k] and not (e.keep_graphs and self.graphs):  # kept past the hidden ring's reuse
-            e.stash.put((self.j, step.k), h.clone() if e.hidden.lends(h) else h, step.i, e.lanes.compute.mark())
+            e.stash.put((self.j, step.k), e.hidden.owned(h), step.i, e.lanes.compute.mark())
         return w, h
 
     def _train(self, run: BlockRun, step: Step, w: Mapping[str, Any], h: torch.Tensor) -> torch.Tensor:
@@ -107,7 +107,7 @@ class LayerOp:
         input) or, where the engine keeps graphs, recorded by autograd for the reverse sweep."""
         if not self.e.keep_graphs:
             return self.window(run, step, w, h)
-        x = (h.clone() if self.e.hidden.lends(h) else h.detach()).requires_grad_(True)  # the graph keeps it
+        x = self.e.hidden.owned(h).detach().requires_grad_(True)  # the graph keeps it
         wd = dense(w)
         with torch.enable_grad():
             out = self.window(run, step, wd, x)
