@@ -16,6 +16,8 @@ them only for CUDA tensors.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from flexoff.quant.format import QuantConfig, padded
@@ -317,6 +319,12 @@ def kv_encode_triton(k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, cfg: Q
                             GROUP=cfg.group, BITS=cfg.bits, BM=t["BM"], num_warps=t["num_warps"])
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    """The device's multiprocessors (asked once: the query costs host time at every decode matmul)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def qmatmul_triton(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, cfg: QuantConfig,
                    n: int, bias: torch.Tensor | None = None, **tile: int) -> torch.Tensor:
     """x (m, k) @ W (k, n) (+ bias, added in float32 before the one rounding) with W's 4-bit rows
@@ -332,7 +340,7 @@ def qmatmul_triton(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, mn:
     NB = data.shape[1]
     BM = max(16, triton.next_power_of_2(M))
     blocks = triton.cdiv(NB, HB)
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+    sms = _sm_count(x.device) if x.is_cuda else 4
     splits = max(1, min(triton.cdiv(K, BK), t["waves"] * sms // blocks))  # enough programs to fill the GPU
     k_split = triton.cdiv(triton.cdiv(K, splits), BK) * BK
     grid = (blocks, triton.cdiv(K, k_split))

@@ -25,11 +25,13 @@ class Event:
     to any other value (treated as done).
     """
 
-    __slots__ = ("cuda", "fut")
+    __slots__ = ("cuda", "fut", "stream")
 
-    def __init__(self, cuda: "torch.cuda.Event | None" = None, fut: Future | None = None):
+    def __init__(self, cuda: "torch.cuda.Event | None" = None, fut: Future | None = None,
+                 stream: "torch.cuda.Stream | None" = None):
         self.cuda = cuda
         self.fut = fut
+        self.stream = stream  # the stream `cuda` was recorded on, where a lane knows it
 
     @property
     def host_pending(self) -> bool:
@@ -54,8 +56,10 @@ class Event:
             ev.cuda.synchronize()
 
     def wait_stream(self, stream: "torch.cuda.Stream") -> None:
+        """Make `stream` wait for this event; nothing where it was recorded on that very stream
+        (the stream's own order already puts it first)."""
         ev = self.resolve()
-        if ev.cuda is not None:
+        if ev.cuda is not None and ev.stream is not stream:
             stream.wait_event(ev.cuda)
 
 
@@ -121,13 +125,21 @@ class StreamLane:
         return self.last
 
     def enqueue(self, fn: Callable[[], Any], deps: Iterable[Event] = ()) -> Event:
-        with torch.cuda.stream(self.stream):
-            for d in deps:
-                d.wait_stream(self.stream)
-            fn()
-            ev = torch.cuda.Event()
-            ev.record(self.stream)
-        return Event(cuda=ev)
+        """Run fn with the lane's stream current, after deps; its event is what fn returns where
+        that is a CUDA event recorded last on the stream (a copy's timing mark), else a new one."""
+        stream = self.stream
+        prev = torch.cuda.current_stream(stream.device)
+        torch.cuda.set_stream(stream)
+        try:
+            for d in _distinct(deps):
+                d.wait_stream(stream)
+            ev = fn()
+            if not isinstance(ev, torch.cuda.Event):
+                ev = torch.cuda.Event()
+                ev.record(stream)
+        finally:
+            torch.cuda.set_stream(prev)
+        return Event(cuda=ev, stream=stream)
 
     def close(self) -> None:
         self._helper.close()
@@ -142,7 +154,7 @@ class ComputeLane:
         self.stream = torch.cuda.current_stream(device) if self.cuda else None
 
     def wait(self, deps: Iterable[Event]) -> None:
-        for d in deps:
+        for d in _distinct(deps):
             if self.cuda:
                 d.wait_stream(self.stream)
             else:
@@ -154,7 +166,18 @@ class ComputeLane:
             return DONE
         ev = torch.cuda.Event()
         ev.record(self.stream)
-        return Event(cuda=ev)
+        return Event(cuda=ev, stream=self.stream)
+
+
+def _distinct(deps: Iterable[Event]) -> list[Event]:
+    """deps without repeats (a buffer's reads and writes often name the same event) and without
+    DONE."""
+    out, seen = [], set()
+    for d in deps:
+        if d is not DONE and id(d) not in seen:
+            seen.add(id(d))
+            out.append(d)
+    return out
 
 
 class Lanes:

@@ -88,19 +88,30 @@ class Mover:
                 and src.nbytes > IN_FLIGHT * LINK_CHUNK and not any(d.host_pending for d in deps):
             return self.lanes.feed.run(lambda: self._paced(dst, src, deps))
 
-        def fn() -> None:
-            d, s = dst.mem(), src.mem()
-            timed = d.is_cuda and not s.is_cuda
-            start = self._mark() if timed else None
-            for off in range(0, d.numel(), LINK_CHUNK):
-                d[off:off + LINK_CHUNK].copy_(s[off:off + LINK_CHUNK], non_blocking=True)
-            if start is not None:
-                self._timed.append((start, self._mark()))
-            for t in (d, s):  # keep transient device tensors alive for this stream
-                if t.is_cuda:
-                    t.record_stream(torch.cuda.current_stream(t.device))
+        runner = getattr(self.lanes, lane)  # the lane of that name
+        stream = getattr(runner, "stream", None)
 
-        return getattr(self.lanes, lane).run(fn, deps)  # the lane of that name
+        def fn() -> torch.cuda.Event | None:
+            """The copy; on CUDA, a host-to-device copy returns its timing mark at the end, which
+            the lane keeps as the copy's event."""
+            d, s = dst.mem(), src.mem()
+            start = self._mark(stream) if stream is not None and d.is_cuda and not s.is_cuda else None
+            if d.numel() <= LINK_CHUNK:
+                d.copy_(s, non_blocking=True)
+            else:
+                for off in range(0, d.numel(), LINK_CHUNK):
+                    d[off:off + LINK_CHUNK].copy_(s[off:off + LINK_CHUNK], non_blocking=True)
+            if stream is not None:  # keep transient device tensors alive for this stream
+                for t in (d, s):
+                    if t.is_cuda:
+                        t.record_stream(stream)
+            if start is None:
+                return None
+            end = self._mark(stream)
+            self._timed.append((start, end))
+            return end
+
+        return runner.run(fn, deps)
 
     def copy_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], deps: Iterable[Event] = ()) -> Event:
         """Many small memory-to-memory copies (dst, src tensors of equal size) in one task on the
@@ -125,21 +136,21 @@ class Mover:
         with torch.cuda.stream(stream):
             for dep in deps:
                 dep.wait_stream(stream)
-            start = self._mark()
+            start = self._mark(stream)
             for off in range(0, d.numel(), LINK_CHUNK):
                 if len(queued) >= IN_FLIGHT:
                     queued.popleft().synchronize()
                 d[off:off + LINK_CHUNK].copy_(s[off:off + LINK_CHUNK], non_blocking=True)
-                queued.append(self._mark(blocking=True))
+                queued.append(self._mark(stream, blocking=True))
             d.record_stream(stream)
         self._timed.append((start, queued[-1]))
-        return Event(cuda=queued[-1])
+        return Event(cuda=queued[-1], stream=stream)
 
     @staticmethod
-    def _mark(blocking: bool = False) -> torch.cuda.Event:
-        """A timing event recorded on the current stream."""
+    def _mark(stream: torch.cuda.Stream | None = None, blocking: bool = False) -> torch.cuda.Event:
+        """A timing event recorded on `stream` (the current stream if None)."""
         ev = torch.cuda.Event(enable_timing=True, blocking=blocking)
-        ev.record()
+        ev.record(stream)
         return ev
 
     def link_seconds(self) -> float:
