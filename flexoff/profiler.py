@@ -24,12 +24,13 @@ HOST_STEP_REPEATS = 3  # measured runs of the host step, after a warm-up
 
 
 def host_step(dev: torch.device, offload_dir: str | None = None, nb: int = 4, gen: int = 16,
-              lora: bool = False, repeats: int = HOST_STEP_REPEATS) -> float:
+              lora: bool = False, repeats: int = HOST_STEP_REPEATS, packed: bool = False) -> float:
     """Seconds of host work per engine step (one layer of one GPU batch): the median of
-    host_step_runs on host_probe(nb). One run after a two-token warm-up (as before) read 1.13 ms
-    on an H100 where 24 later runs read 0.50-0.90 (benchmarks/RESULTS.md): the first run at a
-    length is slower."""
-    return statistics.median(host_step_runs(dev, host_probe(nb), gen=gen, lora=lora, repeats=repeats,
+    host_step_runs on host_probe(nb) (`packed`: its weights 4-bit, streamed from CPU memory).
+    One run after a two-token warm-up (as before) read 1.13 ms on an H100 where 24 later runs
+    read 0.50-0.90 (benchmarks/RESULTS.md): the first run at a length is slower."""
+    probe = host_probe(nb, 0, True) if packed else host_probe(nb)
+    return statistics.median(host_step_runs(dev, probe, gen=gen, lora=lora, repeats=repeats,
                                             offload_dir=offload_dir))
 
 
@@ -79,7 +80,9 @@ def measure(offload_dir: str | None = None, quick: bool = False) -> Hardware:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     base = host_step(dev, offload_dir)
     extra = max(0.0, host_step(dev, offload_dir, lora=True) - base)
-    return replace(hardware.measure(offload_dir, quick=quick), host_step_s=base, lora_host_step_s=extra)
+    packed = host_step(dev, offload_dir, packed=True)
+    return replace(hardware.measure(offload_dir, quick=quick), host_step_s=base, lora_host_step_s=extra,
+                   packed_host_step_s=packed)
 
 
 def load(name_or_path: str | None, offload_dir: str | None = None,

@@ -25,7 +25,7 @@ Names follow the FlexGen paper:
 | cpu_flops, cpu_attn_bdw | CPU attention FLOP/s, and the KV bytes/s it reads |
 | cpu_mem_bdw | host memory bytes/s that the link's copies and CPU attention's reads share (decode pairs with CPU attention; not in FlexGen) |
 | ctog, gtoc, dtoc, ctod, comp | a layer's seconds of each transfer, and of compute |
-| host, host_step_s, lora_host_step_s | a layer's seconds of host work: one engine step per GPU batch, and what LoRA adds to a step (not in FlexGen) |
+| host, host_step_s, packed_host_step_s, lora_host_step_s | a layer's seconds of host work: one engine step per GPU batch (with 4-bit weights, the packed step), and what LoRA adds to a step (not in FlexGen) |
 | lora_W, lora_F | LoRA: bytes of the adapters a block uses on every linear, and delta FLOPs per token (not in FlexGen); held on the GPU beside resident weights, else paged with each layer's weights (link traffic, a page per weight slot); every adapter of the job also in host memory |
 | T_pre, T_gen | a layer's prefill time, and its average decode time per token |
 | T | block latency: sum over layers of T_pre + (n - 1) T_gen |
@@ -209,7 +209,8 @@ class CostModel:
                         if not self.cpu_pooled:  # else over the pair of layers (cache_pool)
                             cpu = self.cpu_attention(x)[1]
                 # the schedule's own work per step, and what LoRA adds to it (wrapping, launches)
-                t["host"] = ch.num_gpu_batches * (hw.host_step_s + (hw.lora_host_step_s if self.lora_F[k] else 0.0))
+                t["host"] = ch.num_gpu_batches * (hw.step_host_s(ch.compress_weight)
+                                                  + (hw.lora_host_step_s if self.lora_F[k] else 0.0))
                 if ch.num_gpu_batches > 1:  # CPU attention of one batch overlaps the next's GPU work
                     t["comp"], t["cpu_comp"] = gpu, cpu
                 else:

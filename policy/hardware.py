@@ -32,7 +32,7 @@ import torch
 from flexoff.errors import FlexoffError
 
 GB = 1e9
-UNMEASURED_ZERO = ("host_step_s", "lora_host_step_s", "gpu_mem_bdw")  # fields that may be 0
+UNMEASURED_ZERO = ("host_step_s", "lora_host_step_s", "packed_host_step_s", "gpu_mem_bdw")  # fields that may be 0
 
 
 @dataclass(frozen=True)
@@ -59,10 +59,17 @@ class Hardware:
     cpu_dequant_bdw: float  # ... on the CPU (CPU attention over a compressed cache)
     host_step_s: float = 0.0  # seconds of host work per engine step (one layer of one GPU batch)
     lora_host_step_s: float = 0.0  # ... that LoRA adapters on the batch's rows add to a step
+    packed_host_step_s: float = 0.0  # host_step_s with 4-bit weights streamed from CPU memory; 0: unmeasured
     # FLOP/s of prefill matmuls at a transformer layer's shapes (its projections with biases, as the
     # engine calls them), by hidden size: ((hidden, FLOP/s), ...); empty: mm_flops_p at any size
     mm_flops_p_layers: tuple[tuple[int, float], ...] = ()
     gpu_mem_bdw: float = 0.0  # bytes/s (read plus written) of the device's elementwise passes; 0: unpriced
+
+    def step_host_s(self, compress_weight: bool) -> float:
+        """Seconds of host work per engine step of a policy with or without 4-bit weights (a
+        packed layer's matmuls are Triton launches, each with more host work than torch's; a
+        profile without the packed measurement prices both alike)."""
+        return self.packed_host_step_s if compress_weight and self.packed_host_step_s else self.host_step_s
 
     def prefill_mm_flops(self, hidden: int) -> float:
         """FLOP/s of prefill matmuls for a model of this hidden size: the rate measured at the

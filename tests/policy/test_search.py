@@ -209,6 +209,21 @@ def test_host_work_per_step_is_priced_per_gpu_batch():
     assert gap > 0 and max(mlp, key=mlp.get) == "host"  # 24 ms of steps against 4 ms of weights
 
 
+def test_packed_weights_take_their_own_host_step():
+    """A profile's packed host step (4-bit weights streamed) prices policies that compress
+    weights; others, and profiles that lack it, take the plain step."""
+    from dataclasses import replace
+
+    s = spec("opt-30b")
+    hw = replace(h200(), host_step_s=1e-3, packed_host_step_s=2.5e-3)
+    x = {"wg": 0, "wc": 1, "wd": 0, "cg": 0, "cc": 1, "cd": 0, "hg": 0, "hc": 1, "hd": 0}
+    host = {(c, p): CostModel(s, p, W512, Choice(16, 8, compress_weight=c, compress_cache=True)).terms(x)[("g", "mlp")]["host"]
+            for c in (False, True) for p in (hw, replace(hw, packed_host_step_s=0.0))}
+    assert host[(True, hw)] == pytest.approx(8 * 2.5e-3)
+    assert host[(False, hw)] == pytest.approx(8e-3)
+    assert host[(True, replace(hw, packed_host_step_s=0.0))] == pytest.approx(8e-3)
+
+
 def test_profiles_without_the_host_step_still_load(tmp_path):
     import json
     from dataclasses import asdict
