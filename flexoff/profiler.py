@@ -26,21 +26,25 @@ HOST_STEP_REPEATS = 3  # measured runs of the host step, after a warm-up
 def host_step(dev: torch.device, offload_dir: str | None = None, nb: int = 4, gen: int = 16,
               lora: bool = False, repeats: int = HOST_STEP_REPEATS, packed: bool = False) -> float:
     """Seconds of host work per engine step (one layer of one GPU batch): the median of
-    host_step_runs on host_probe(nb) (`packed`: its weights 4-bit, streamed from CPU memory).
-    One run after a two-token warm-up (as before) read 1.13 ms on an H100 where 24 later runs
-    read 0.50-0.90 (benchmarks/RESULTS.md): the first run at a length is slower."""
-    probe = host_probe(nb, 0, True) if packed else host_probe(nb)
+    host_step_runs on host_probe(nb). `packed`: the probe of the search's 4-bit policies, which
+    stream 4-bit weights and split cache and activation rows between the device and CPU memory
+    (on an H100, 32x8 OPT-30B steps took 0.94 ms with rows in CPU memory only and 1.26 ms split;
+    benchmarks/RESULTS.md). One run after a two-token warm-up (as before) read 1.13 ms on an
+    H100 where 24 later runs read 0.50-0.90: the first run at a length is slower."""
+    probe = host_probe(nb, 0, True, split=True) if packed else host_probe(nb)
     return statistics.median(host_step_runs(dev, probe, gen=gen, lora=lora, repeats=repeats,
                                             offload_dir=offload_dir))
 
 
-def host_probe(nb: int = 4, w_gpu_percent: float = 100, compress_weight: bool = False) -> Policy:
+def host_probe(nb: int = 4, w_gpu_percent: float = 100, compress_weight: bool = False, split: bool = False) -> Policy:
     """The profile's policy for the host step: GPU batches of two rows, the KV cache compressed in
     CPU memory and the activations there too (a step's most work: loads, stores, quantization),
-    `w_gpu_percent` of the weights on the device and the rest streamed from CPU memory."""
+    `w_gpu_percent` of the weights on the device and the rest streamed from CPU memory; `split`:
+    one row of each batch's cache and activations on the device instead (two segments a step)."""
+    on_gpu = 50 if split else 0
     return Policy(gpu_batch_size=2, num_gpu_batches=nb, w_gpu_percent=w_gpu_percent, w_cpu_percent=100 - w_gpu_percent,
-                  cache_gpu_percent=0, cache_cpu_percent=100, act_gpu_percent=0, act_cpu_percent=100,
-                  compress_cache=True, compress_weight=compress_weight)
+                  cache_gpu_percent=on_gpu, cache_cpu_percent=100 - on_gpu, act_gpu_percent=on_gpu,
+                  act_cpu_percent=100 - on_gpu, compress_cache=True, compress_weight=compress_weight)
 
 
 def host_step_runs(dev: torch.device, policy: Policy, model: str = "dummy:opt-tiny", gen: int = 16,

@@ -59,7 +59,7 @@ class Hardware:
     cpu_dequant_bdw: float  # ... on the CPU (CPU attention over a compressed cache)
     host_step_s: float = 0.0  # seconds of host work per engine step (one layer of one GPU batch)
     lora_host_step_s: float = 0.0  # ... that LoRA adapters on the batch's rows add to a step
-    packed_host_step_s: float = 0.0  # host_step_s with 4-bit weights streamed from CPU memory; 0: unmeasured
+    packed_host_step_s: float = 0.0  # ... of a policy streaming 4-bit weights, rows split GPU/CPU; 0: unmeasured
     # FLOP/s of prefill matmuls at a transformer layer's shapes (its projections with biases, as the
     # engine calls them), by hidden size: ((hidden, FLOP/s), ...); empty: mm_flops_p at any size
     mm_flops_p_layers: tuple[tuple[int, float], ...] = ()
