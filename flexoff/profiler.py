@@ -28,9 +28,10 @@ def host_step(dev: torch.device, offload_dir: str | None = None, nb: int = 4, ge
     """Seconds of host work per engine step (one layer of one GPU batch): the median of
     host_step_runs on host_probe(nb). `packed`: the probe of the search's 4-bit policies, which
     stream 4-bit weights and split cache and activation rows between the device and CPU memory
-    (on an H100, 32x8 OPT-30B steps took 0.94 ms with rows in CPU memory only and 1.26 ms split;
-    benchmarks/RESULTS.md). One run after a two-token warm-up (as before) read 1.13 ms on an
-    H100 where 24 later runs read 0.50-0.90: the first run at a length is slower."""
+    (on an H100, 4-bit steps of 32 rows x 8 batches took 0.94 ms with rows in CPU memory only
+    and 1.26 ms split; benchmarks/RESULTS.md). One run after a two-token warm-up (as before)
+    read 1.13 ms on an H100 where 24 later runs read 0.50-0.90: the first run at a length is
+    slower."""
     probe = host_probe(nb, 0, True, split=True) if packed else host_probe(nb)
     return statistics.median(host_step_runs(dev, probe, gen=gen, lora=lora, repeats=repeats,
                                             offload_dir=offload_dir))
