@@ -23,10 +23,9 @@ Prints tables and appends records to OUT/host-step.jsonl.
 from __future__ import annotations
 
 import argparse
-import json
+import itertools
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -35,19 +34,17 @@ import torch
 from common import environment, table, write_jsonl
 from throughput import parse_policy
 
-from flexoff.dummy import CONFIGS, dummy_config
+from flexoff.dummy import dummy_config
 from flexoff.errors import FlexoffError
 from flexoff.models.spec import ModelSpec
-from flexoff.profiler import host_probe, host_step_runs
+from flexoff.profiler import host_probe, host_step_runs, probe_model
 
 
-def probe_suite(dev: torch.device, repeats: int, tmp: Path) -> list[dict[str, Any]]:
-    deep = tmp / "deep.json"
-    deep.write_text(json.dumps({**CONFIGS["opt-tiny"], "num_hidden_layers": 16}))
+def probe_suite(dev: torch.device, repeats: int) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
-    for blocks, model in ((2, "dummy:opt-tiny"), (16, f"dummy:{deep}")):
-        for nb in (4, 8):
-            for gen in (16, 48):
+    for blocks in (2, 16):
+        with probe_model(blocks) as model:
+            for nb, gen in itertools.product((4, 8), (16, 48)):
                 ms = [r * 1e3 for r in host_step_runs(dev, host_probe(nb), model, gen, repeats=repeats)]
                 out.append({"kind": "depth", "blocks": blocks, "gpu_batches": nb, "tokens": gen, "runs_ms": ms,
                             "median_ms": statistics.median(ms)})
@@ -65,22 +62,18 @@ def probe_suite(dev: torch.device, repeats: int, tmp: Path) -> list[dict[str, An
     return out
 
 
-def policy_suite(dev: torch.device, repeats: int, tmp: Path, policies: list[str], like: str,
-                 gen: int) -> list[dict[str, Any]]:
-    layers = dummy_config(like.removeprefix("dummy:"))["num_hidden_layers"]
-    config = {**CONFIGS["opt-tiny"], "num_hidden_layers": layers}
-    narrow = tmp / "narrow.json"
-    narrow.write_text(json.dumps(config))
-    engine_layers = len(ModelSpec.from_config("narrow", config).layers)
+def policy_suite(dev: torch.device, repeats: int, policies: list[str], like: str, gen: int) -> list[dict[str, Any]]:
     out = []
-    for text in policies:
-        p = parse_policy(text)
-        runs = host_step_runs(dev, p, f"dummy:{narrow}", gen, repeats=repeats)
-        step = statistics.median(runs)
-        out.append({"kind": "policy", "policy": p.describe(), "depth_of": like, "tokens": gen,
-                    "runs_ms": [r * 1e3 for r in runs], "median_ms": step * 1e3,
-                    "token_step_host_ms": step * engine_layers * p.num_gpu_batches * 1e3})
-        print(out[-1], flush=True)
+    with probe_model(dummy_config(like.removeprefix("dummy:"))["num_hidden_layers"]) as model:
+        engine_layers = len(ModelSpec.from_config("probe", dummy_config(model.removeprefix("dummy:"))).layers)
+        for text in policies:
+            p = parse_policy(text)
+            runs = host_step_runs(dev, p, model, gen, repeats=repeats)
+            step = statistics.median(runs)
+            out.append({"kind": "policy", "policy": p.describe(), "depth_of": like, "tokens": gen,
+                        "runs_ms": [r * 1e3 for r in runs], "median_ms": step * 1e3,
+                        "token_step_host_ms": step * engine_layers * p.num_gpu_batches * 1e3})
+            print(out[-1], flush=True)
     print(table(out, ["policy", "median_ms", "token_step_host_ms"]))
     return out
 
@@ -95,15 +88,14 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            if args.policy:
-                rows = policy_suite(dev, args.repeats, Path(tmp), args.policy, args.depth_of, args.gen_len)
-            else:
-                rows = probe_suite(dev, args.repeats, Path(tmp))
-        except FlexoffError as e:  # e.g. --depth-of naming no dummy model, a policy over the budget
-            print(f"host_step.py: {e}", file=sys.stderr)
-            return 2
+    try:
+        if args.policy:
+            rows = policy_suite(dev, args.repeats, args.policy, args.depth_of, args.gen_len)
+        else:
+            rows = probe_suite(dev, args.repeats)
+    except FlexoffError as e:  # e.g. --depth-of naming no dummy model, a policy over the budget
+        print(f"host_step.py: {e}", file=sys.stderr)
+        return 2
     env = environment()
     write_jsonl(args.out / "host-step.jsonl", [{**env, **r} for r in rows])
     return 0

@@ -39,7 +39,7 @@ def host_step(dev: torch.device, offload_dir: str | None = None, nb: int = 4, ge
     and 1.26 ms split; benchmarks/RESULTS.md). One run after a two-token warm-up (as before)
     read 1.13 ms on an H100 where 24 later runs read 0.50-0.90: the first run at a length is
     slower."""
-    probe = host_probe(nb, 0, True, split=True) if packed else host_probe(nb)
+    probe = host_probe(nb, w_gpu_percent=0, compress_weight=True, split=True) if packed else host_probe(nb)
     return statistics.median(host_step_runs(dev, probe, model, gen=gen, lora=lora, repeats=repeats,
                                             offload_dir=offload_dir))
 

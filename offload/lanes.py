@@ -113,6 +113,7 @@ class StreamLane:
 
     def __init__(self, name: str, device: torch.device):
         self.stream = torch.cuda.Stream(device)
+        self._device = self.stream.device  # for the current stream a task's thread restores
         self._helper = ThreadLane(f"{name}-helper")
         self.last = DONE
 
@@ -128,7 +129,7 @@ class StreamLane:
         """Run fn with the lane's stream current, after deps; its event is what fn returns where
         that is a CUDA event recorded last on the stream (a copy's timing mark), else a new one."""
         stream = self.stream
-        prev = torch.cuda.current_stream(stream.device)
+        prev = torch.cuda.current_stream(self._device)
         torch.cuda.set_stream(stream)
         try:
             for d in _distinct(deps):
@@ -215,9 +216,10 @@ class Lanes:
         return out
 
     def _all(self) -> list:
-        return [self.load, self.store, self.disk_read, self.disk_write, self.cpu_down, self.cpu] \
-            + ([self.feed] if self.feed else []) + ([self.fetch] if self.fetch is not self.load else []) \
-            + ([self.weights] if self.weights is not self.load else [])
+        """Every lane once (fetch and weights may be the load lane; feed may be absent)."""
+        named = [self.load, self.store, self.disk_read, self.disk_write, self.cpu_down, self.cpu, self.feed,
+                 self.fetch, self.weights]
+        return list({id(lane): lane for lane in named if lane is not None}.values())
 
     def sync(self) -> None:
         """Wait for everything issued so far (used at block edges and with overlap off)."""
