@@ -2,8 +2,8 @@
 disk) plus the engine's own host time per step, which only running the engine can measure
 (policy/ never imports the engine or the API).
 
-Knows: how to time the engine's per-step host work on a tiny model, and how to put it into
-a Hardware profile. Does not know: the cost model.
+Knows: how to time the engine's per-step host work on a tiny model and the rate of its
+decode copies on a wider one, and how to put them into a Hardware profile. Does not know: the cost model.
 """
 
 from __future__ import annotations
@@ -45,15 +45,51 @@ def host_step(dev: torch.device, offload_dir: str | None = None, nb: int = 4, ge
 
 
 @contextmanager
-def probe_model(blocks: int = PROBE_BLOCKS) -> Iterator[str]:
-    """A dummy model of the tiny widths and `blocks` transformer blocks, for the host probes: a
+def probe_model(blocks: int = PROBE_BLOCKS, widths: str = "opt-tiny") -> Iterator[str]:
+    """A dummy model of the widths of `widths` (a dummy config; the tiny model's vocabulary) and
+    `blocks` transformer blocks. The host probes use the tiny widths at a 7B model's depth: a
     step's host time grows with a model's depth (on an H100 the probe read 0.51 ms a step at
     the tiny model's 2 blocks and 0.86 ms at OPT-30B's 48; benchmarks/RESULTS.md), so the
     profile measures it at a depth like the models it prices."""
     with tempfile.TemporaryDirectory(prefix="flexoff-probe-") as tmp:
         path = Path(tmp) / "config.json"
-        path.write_text(json.dumps({**CONFIGS["opt-tiny"], "num_hidden_layers": blocks}))
+        path.write_text(json.dumps({**CONFIGS[widths], "num_hidden_layers": blocks,
+                                    "vocab_size": CONFIGS["opt-tiny"]["vocab_size"]}))
         yield f"dummy:{path}"
+
+
+def link_probe() -> Policy:
+    """The policy of the decode link probe: 4-bit weights and KV cache in CPU memory, copied to
+    the GPU at every decode step (as the 4-bit policies the search picks for OPT-30B on a 16 GiB
+    GPU copy them), four GPU batches of 48 rows."""
+    return Policy(gpu_batch_size=48, num_gpu_batches=4, w_gpu_percent=0, w_cpu_percent=100, cache_gpu_percent=0,
+                  cache_cpu_percent=100, act_gpu_percent=0, act_cpu_percent=100, compress_weight=True,
+                  compress_cache=True)
+
+
+def decode_link_rate(dev: torch.device, offload_dir: str | None = None, repeats: int = HOST_STEP_REPEATS,
+                     prompt_len: int = 512, gen: int = 9) -> float:
+    """Bytes/s of the engine's host-to-device copies in decode while some copy is in flight (the
+    median of `repeats` decodes after a warm-up), on two blocks of OPT-6.7B's widths under
+    link_probe(): copies of tens to hundreds of MB, beside the engine's kernels and its other
+    copies, where one copy alone on an idle device runs a few percent faster
+    (benchmarks/RESULTS.md). 0 without CUDA (no link)."""
+    if dev.type != "cuda":
+        return 0.0
+    policy = link_probe()
+    g = torch.Generator().manual_seed(0)
+    vocab = CONFIGS["opt-tiny"]["vocab_size"]
+    prompts = [{"prompt_ids": torch.randint(3, vocab, (prompt_len,), generator=g).tolist()}
+               for _ in range(policy.block_size)]
+    with probe_model(blocks=2, widths="opt-6.7b") as model, \
+            LLM(model, policy=policy, device=dev, offload_dir=offload_dir) as llm:
+        llm.model.tokenizer.eos_ids = ()  # every step runs
+        llm.generate(prompts, max_new_tokens=gen)
+        rates = []
+        for _ in range(repeats):
+            traffic = llm.generate(prompts, max_new_tokens=gen).stats.traffic_decode
+            rates.append(traffic["h2d"] / traffic["h2d_busy_s"])
+    return statistics.median(rates)
 
 
 def host_probe(nb: int = 4, w_gpu_percent: float = 100, compress_weight: bool = False, split: bool = False) -> Policy:
@@ -100,14 +136,16 @@ def random_adapter(name: str, spec: Any, rank: int, seed: int, device: torch.dev
 
 
 def measure(offload_dir: str | None = None, quick: bool = False) -> Hardware:
-    """Measure this machine, the engine's host step (and what LoRA adds to it) included."""
+    """Measure this machine, the engine's host step (and what LoRA adds to it) and its decode
+    link rate included."""
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     with probe_model() as model:
         base = host_step(dev, offload_dir, model=model)
         extra = max(0.0, host_step(dev, offload_dir, lora=True, model=model) - base)
         packed = host_step(dev, offload_dir, packed=True, model=model)
+    link = 0.0 if quick else decode_link_rate(dev, offload_dir)
     return replace(hardware.measure(offload_dir, quick=quick), host_step_s=base, lora_host_step_s=extra,
-                   packed_host_step_s=packed)
+                   packed_host_step_s=packed, decode_ctog_bdw=link)
 
 
 def load(name_or_path: str | None, offload_dir: str | None = None,

@@ -19,7 +19,7 @@ Names follow the FlexGen paper:
 | s, n | prompt length, tokens generated per sequence |
 | bls, gbs | block size (gbs x number of GPU batches), GPU batch size |
 | h1, h2, nh | hidden size, MLP hidden size, attention heads |
-| ctog_bdw, gtoc_bdw, dtoc_bdw, ctod_bdw | CPU->GPU, GPU->CPU, disk->CPU, CPU->disk bandwidths |
+| ctog_bdw, gtoc_bdw, dtoc_bdw, ctod_bdw | CPU->GPU, GPU->CPU, disk->CPU, CPU->disk bandwidths; in decode, CPU->GPU at the rate the profile measured the engine's decode copies at (decode_ctog_bdw, not in FlexGen) |
 | mm_flops, bmm_flops | GPU matmul and batched-matmul FLOP/s (p: prefill shapes, at the model's hidden size where measured; g: decode) |
 | E, gpu_mem_bdw | a layer's elementwise bytes per token (norms, residuals, activations, head moves) over the device's rate for them (not in FlexGen) |
 | cpu_flops, cpu_attn_bdw | CPU attention FLOP/s, and the KV bytes/s it reads |
@@ -177,9 +177,10 @@ class CostModel:
             for stage in ("p", "g"):
                 tok = s if stage == "p" else 1  # tokens per sequence this step
                 act = bls * tok * self.A
+                link = hw.ctog_bdw if stage == "p" else hw.decode_link_bdw()
                 t = {  # streamed weights bring the block's LoRA pages of the layer along
                     "ctog": ((x["wc"] + x["wd"]) * (W + self.lora_layer[k]) + (x["hc"] + x["hd"]) * act * h_in)
-                    / hw.ctog_bdw,
+                    / link,
                     "gtoc": (x["hc"] + x["hd"]) * act * h_out / hw.gtoc_bdw_hidden,
                     "dtoc": (x["wd"] * W + x["hd"] * act * h_in) / hw.dtoc_bdw,
                     "ctod": x["hd"] * act * h_out / hw.ctod_bdw_hidden,
@@ -196,7 +197,7 @@ class CostModel:
                         gpu += bls * s * self.kv_dense / hw.dequant_bdw
                 elif attn:
                     if not self.cache_ahead:  # else over the pair of layers (cache_pool)
-                        t["ctog"] += staged * bls * ctx * self.kv / hw.ctog_bdw
+                        t["ctog"] += staged * bls * ctx * self.kv / link
                         t["dtoc"] += x["cd"] * bls * ctx * self.kv / hw.dtoc_bdw
                     t["gtoc"] += staged * bls * self.kv / hw.gtoc_bdw_cache
                     t["ctod"] += x["cd"] * bls * self.kv / hw.ctod_bdw_cache
@@ -205,7 +206,7 @@ class CostModel:
                         gpu += on_gpu * bls * ctx * self.kv_dense / hw.dequant_bdw
                     if cpu_attn:  # q and new k, v go down; the output comes back
                         t["gtoc"] += x["cc"] * bls * (self.Q + self.kv_dense) / hw.gtoc_bdw_hidden
-                        t["ctog"] += x["cc"] * bls * self.Q / hw.ctog_bdw
+                        t["ctog"] += x["cc"] * bls * self.Q / link
                         if not self.cpu_pooled:  # else over the pair of layers (cache_pool)
                             cpu = self.cpu_attention(x)[1]
                 # the schedule's own work per step, and what LoRA adds to it (wrapping, launches)
@@ -245,10 +246,11 @@ class CostModel:
         hw, bls, ctx = self.hw, self.ch.bls, self.work.prompt_len + self.work.gen_len / 2
         rows = x["cd"] * bls * ctx * self.kv
         attn, mlp = terms[("g", "attn")], terms[("g", "mlp")]
-        link = attn["ctog"] + mlp["ctog"] + rows / hw.ctog_bdw
+        rate = hw.decode_link_bdw()
+        link = attn["ctog"] + mlp["ctog"] + rows / rate
         read, sec = self.cpu_attention(x)
         out = {"ctog": link, "dtoc": attn["dtoc"] + mlp["dtoc"] + rows / hw.dtoc_bdw,
-               "cpu_mem": (link * hw.ctog_bdw + read) / hw.cpu_mem_bdw}
+               "cpu_mem": (link * rate + read) / hw.cpu_mem_bdw}
         if self.cpu_pooled:
             out["cpu_comp"] = sec / CPU_LANE_SHARE
         return out
@@ -258,7 +260,7 @@ class CostModel:
         if not self.cache_ahead:
             return 0
         rows = x["cd"] * self.ch.bls * (self.work.prompt_len + self.work.gen_len / 2) * self.kv
-        return rows / self.hw.ctog_bdw + rows / self.hw.dtoc_bdw
+        return rows / self.hw.decode_link_bdw() + rows / self.hw.dtoc_bdw
 
     # ---- memory --------------------------------------------------------
     def cache_memory(self, x: Mapping[str, Any]) -> dict[str, Any]:

@@ -32,7 +32,7 @@ import torch
 from flexoff.errors import FlexoffError
 
 GB = 1e9
-UNMEASURED_ZERO = ("host_step_s", "lora_host_step_s", "packed_host_step_s", "gpu_mem_bdw")  # fields that may be 0
+UNMEASURED_ZERO = ("host_step_s", "lora_host_step_s", "packed_host_step_s", "gpu_mem_bdw", "decode_ctog_bdw")  # fields that may be 0
 
 
 @dataclass(frozen=True)
@@ -64,12 +64,21 @@ class Hardware:
     # engine calls them), by hidden size: ((hidden, FLOP/s), ...); empty: mm_flops_p at any size
     mm_flops_p_layers: tuple[tuple[int, float], ...] = ()
     gpu_mem_bdw: float = 0.0  # bytes/s (read plus written) of the device's elementwise passes; 0: unpriced
+    # bytes/s host -> device while the link is busy in the engine's decode (its copies beside its
+    # kernels and its other copies); 0: unmeasured (ctog_bdw)
+    decode_ctog_bdw: float = 0.0
 
     def step_host_s(self, compress_weight: bool) -> float:
         """Seconds of host work per engine step of a policy with or without 4-bit weights (a
         packed layer's matmuls are Triton launches, each with more host work than torch's; a
         profile without the packed measurement prices both alike)."""
         return self.packed_host_step_s if compress_weight and self.packed_host_step_s else self.host_step_s
+
+    def decode_link_bdw(self) -> float:
+        """Bytes/s of host-to-device copies in decode: the rate the engine's own decode moved them
+        at where the profile measured it (on H100 machines 49-54 GB/s against 54-55 for one copy
+        alone on an idle device; benchmarks/RESULTS.md), else ctog_bdw."""
+        return self.decode_ctog_bdw or self.ctog_bdw
 
     def prefill_mm_flops(self, hidden: int) -> float:
         """FLOP/s of prefill matmuls for a model of this hidden size: the rate measured at the

@@ -224,6 +224,37 @@ def test_packed_weights_take_their_own_host_step():
     assert host[(True, replace(hw, packed_host_step_s=0.0))] == pytest.approx(8e-3)
 
 
+def test_decode_copies_take_the_engines_measured_link_rate():
+    """A profile's decode link rate prices decode's host-to-device bytes (weights, staged cache
+    rows, activations; and the pair's pooled copies under CPU attention); prefill's copies keep
+    ctog_bdw, and a profile without the rate prices decode at ctog_bdw too."""
+    from dataclasses import replace
+
+    from flexoff.quant.sizes import kv_config, kv_record_bytes, layer_bytes, weight_config
+
+    s = spec("opt-30b")
+    hw = h200()
+    slow = replace(hw, decode_ctog_bdw=hw.ctog_bdw * 0.8)
+    x = {"wg": 0, "wc": 1, "wd": 0, "cg": 0, "cc": 1, "cd": 0, "hg": 0, "hc": 1, "hd": 0}
+    ch = Choice(48, 8, compress_weight=True, compress_cache=True)
+    fast, probed = CostModel(s, hw, W512, ch).terms(x), CostModel(s, slow, W512, ch).terms(x)
+    # decode's bytes of an attention layer, counted here from the sizes: 4-bit weights, the staged
+    # cache rows over the average context, the activations loaded
+    j = next(i for i, l in enumerate(s.layers) if l.kind == "attn")
+    w = layer_bytes(s.layers[j], 2, weight_config(4, 64))
+    kv = kv_record_bytes(s.num_kv_heads, s.head_dim, 2, kv_config(4, 64, s.head_dim))
+    moved = w + 384 * (512 + 32 / 2) * kv + 384 * s.hidden_size * 2
+    assert probed[("g", "attn")]["ctog"] == pytest.approx(moved / slow.decode_ctog_bdw)
+    assert fast[("g", "attn")]["ctog"] == pytest.approx(moved / hw.ctog_bdw)
+    assert probed[("p", "attn")]["ctog"] == pytest.approx(fast[("p", "attn")]["ctog"])
+    assert hw.decode_link_bdw() == hw.ctog_bdw
+    cpu = Choice(16, 4, cpu_cache_compute=True)
+    y = dict(x, cc=0.5, cd=0.5)
+    pair = {h: CostModel(s, h, W512, cpu) for h in (hw, slow)}
+    pools = {h: m.cache_pool(y, m.terms(y))["ctog"] for h, m in pair.items()}
+    assert pools[slow] == pytest.approx(pools[hw] / 0.8)
+
+
 def test_profiles_without_the_host_step_still_load(tmp_path):
     import json
     from dataclasses import asdict
