@@ -68,7 +68,7 @@ def link_probe() -> Policy:
 
 
 def decode_link_rate(dev: torch.device, offload_dir: str | None = None, repeats: int = HOST_STEP_REPEATS,
-                     prompt_len: int = 512, gen: int = 9) -> float:
+                     prompt_len: int = 512, gen: int = 17) -> float:
     """Bytes/s of the engine's host-to-device copies in decode while some copy is in flight (the
     median of `repeats` decodes after a warm-up), on two blocks of OPT-6.7B's widths under
     link_probe(): copies of tens to hundreds of MB, beside the engine's kernels and its other

@@ -138,6 +138,13 @@ class CostModel:
         # and with several GPU batches, one batch's CPU attention runs beside the GPU work and
         # copies of the next: it is priced over the pair too
         self.cpu_pooled = self.cache_ahead and choice.num_gpu_batches > 1
+        # where the GPU attends over staged (CPU, disk) rows of several GPU batches, the rows load
+        # one attention step ahead through a ring of two slots, in step order on one stream: the
+        # next attention layer's first two batches load while the MLP layer before it runs, and
+        # the third waits for the first one's attention (staged_chain). Priced over the pair too.
+        self.staged_pool = not choice.cpu_cache_compute and choice.overlap and choice.num_gpu_batches > 1 \
+            and self.count["attn"] == self.count["mlp"] > 0
+        self.pooled = self.cache_ahead or self.staged_pool  # staged rows priced over the pair
         # LoRA: the adapters a block uses, of the mean rank; each row's delta FLOPs per token
         used, mean = lora_per_block(work, choice.bls)
         width = {k: spec.lora_width(first[k]) if first[k] is not None else 0 for k in KINDS}
@@ -196,7 +203,7 @@ class CostModel:
                     if ch.compress_cache:
                         gpu += bls * s * self.kv_dense / hw.dequant_bdw
                 elif attn:
-                    if not self.cache_ahead:  # else over the pair of layers (cache_pool)
+                    if not self.pooled:  # else over the pair of layers (cache_pool)
                         t["ctog"] += staged * bls * ctx * self.kv / link
                         t["dtoc"] += x["cd"] * bls * ctx * self.kv / hw.dtoc_bdw
                     t["gtoc"] += staged * bls * self.kv / hw.gtoc_bdw_cache
@@ -239,28 +246,52 @@ class CostModel:
         lane waits for each batch's queries, so it is busy CPU_LANE_SHARE of the pair at most); and
         host memory (`cpu_mem`), which the link's copies out of it and CPU attention's reads
         share: on the H200 machine that sum, at the profile's `cpu_mem_bdw`, is what OPT-30B's
-        CPU-attention policies decode at (benchmarks/RESULTS.md). Empty where rows are not
-        loaded ahead."""
-        if not self.cache_ahead:
+        CPU-attention policies decode at (benchmarks/RESULTS.md). With the GPU attending over
+        staged rows of several GPU batches (overlap on), the link and host memory terms alike.
+        Empty where rows are not priced over the pair."""
+        if not self.pooled:
             return {}
-        hw, bls, ctx = self.hw, self.ch.bls, self.work.prompt_len + self.work.gen_len / 2
-        rows = x["cd"] * bls * ctx * self.kv
+        hw, bls = self.hw, self.ch.bls
+        disk, rows = self.staged_bytes(x)
         attn, mlp = terms[("g", "attn")], terms[("g", "mlp")]
         rate = hw.decode_link_bdw()
         link = attn["ctog"] + mlp["ctog"] + rows / rate
-        read, sec = self.cpu_attention(x)
-        out = {"ctog": link, "dtoc": attn["dtoc"] + mlp["dtoc"] + rows / hw.dtoc_bdw,
+        read, sec = self.cpu_attention(x) if self.ch.cpu_cache_compute else (0, 0)
+        out = {"ctog": link, "dtoc": attn["dtoc"] + mlp["dtoc"] + disk / hw.dtoc_bdw,
                "cpu_mem": (link * rate + read) / hw.cpu_mem_bdw}
         if self.cpu_pooled:
             out["cpu_comp"] = sec / CPU_LANE_SHARE
         return out
 
+    def staged_bytes(self, x: Mapping[str, Any]) -> tuple[Any, Any]:
+        """Decode bytes of one attention layer's staged cache rows, at the average context: those
+        read from disk, and all that are copied to the GPU (disk rows only under CPU attention)."""
+        per = self.ch.bls * (self.work.prompt_len + self.work.gen_len / 2) * self.kv
+        return x["cd"] * per, (x["cd"] + (0 if self.ch.cpu_cache_compute else x["cc"])) * per
+
+    def staged_chain(self, x: Mapping[str, float], terms: Mapping[tuple[str, str], Mapping[str, float]]) -> float:
+        """Seconds of a decode pair where the GPU attends over staged rows of several GPU batches:
+        the pair's link seconds, plus the time the rows' stream idles once the next attention
+        layer's first two batches have loaded, until the first one's attention frees a slot:
+        two attention steps and the MLP layer between them on the GPU, less the two batches'
+        copies (the host, ahead of the GPU where the link binds, is not on this path). On one H100, OPT-30B's 4-bit
+        64x6 kept the link 90% busy and 80x4 99% (benchmarks/RESULTS.md). 0 where it does not
+        apply (no staged rows, one GPU batch, CPU attention, overlap off); floats only: the LP
+        prices the pair by cache_pool."""
+        rows = self.staged_bytes(x)[1]
+        if not self.staged_pool or rows <= 0:
+            return 0.0
+        nb, attn, mlp = self.ch.num_gpu_batches, terms[("g", "attn")], terms[("g", "mlp")]
+        copy = rows / self.hw.decode_link_bdw() / nb  # one batch's staged rows
+        idle = max(0.0, 2 * attn["comp"] / nb + mlp["comp"] - 2 * copy)
+        return attn["ctog"] + mlp["ctog"] + rows / self.hw.decode_link_bdw() + idle
+
     def pooled_traffic(self, x: Mapping[str, Any]) -> Any:
         """Seconds of transfers per decode pair that cache_pool adds to the layers' own terms."""
-        if not self.cache_ahead:
+        if not self.pooled:
             return 0
-        rows = x["cd"] * self.ch.bls * (self.work.prompt_len + self.work.gen_len / 2) * self.kv
-        return rows / self.hw.decode_link_bdw() + rows / self.hw.dtoc_bdw
+        disk, rows = self.staged_bytes(x)
+        return rows / self.hw.decode_link_bdw() + disk / self.hw.dtoc_bdw
 
     # ---- memory --------------------------------------------------------
     def cache_memory(self, x: Mapping[str, Any]) -> dict[str, Any]:
@@ -325,6 +356,7 @@ class CostModel:
         gen = sum(self.count[k] * self.layer_time(terms[("g", k)]) for k in KINDS)
         pair = self.layer_time(terms[("g", "attn")]) + self.layer_time(terms[("g", "mlp")])
         pool = max(self.cache_pool(x, terms).items(), key=lambda kv: kv[1], default=("", 0.0))
+        pool = max(pool, ("ctog", self.staged_chain(x, terms)), key=lambda kv: kv[1])
         gen += self.count["attn"] * max(0.0, pool[1] - pair)  # pairs the shared transfers hold up
         decode = (n - 1) * gen
         worst = max(KINDS, key=lambda k: self.count[k] * self.layer_time(terms[("g" if n > 1 else "p", k)]))

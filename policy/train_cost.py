@@ -82,7 +82,7 @@ class TrainCostModel(CostModel):
                  elem_bytes: int = 2):
         super().__init__(spec, hw, Workload(seq_len, 1, elem_bytes, None, (lora_rank,)), choice)
         self.S = seq_len
-        self.cache_ahead = False  # training reads no KV cache
+        self.cache_ahead = self.staged_pool = self.pooled = False  # training reads no KV cache
         elems = graph_token_elems(spec, seq_len)
         self.graph_total = sum(elems) * elem_bytes  # per token, all layers
         self.graph_layer = max(elems) * elem_bytes  # per token, the largest layer

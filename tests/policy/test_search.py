@@ -67,8 +67,9 @@ def test_lp_optimum_is_never_worse_than_a_grid_point(gbs, nb, cpu_attn):
 def test_overlap_off_costs_the_sum_of_terms():
     s = spec("opt-6.7b")
     x = {"wg": 0.2, "wc": 0.8, "wd": 0, "cg": 0, "cc": 1, "cd": 0, "hg": 1, "hc": 0, "hd": 0}
-    on = CostModel(s, T4, W512, Choice(8, 2)).evaluate(x)
-    off = CostModel(s, T4, W512, Choice(8, 2, overlap=False)).evaluate(x)
+    # one GPU batch: with several and overlap on, staged cache rows are priced over a decode pair
+    on = CostModel(s, T4, W512, Choice(8, 1)).evaluate(x)
+    off = CostModel(s, T4, W512, Choice(8, 1, overlap=False)).evaluate(x)
     for key, terms in on.terms.items():
         assert off.terms[key] == terms
     assert off.latency > on.latency
@@ -237,15 +238,16 @@ def test_decode_copies_take_the_engines_measured_link_rate():
     slow = replace(hw, decode_ctog_bdw=hw.ctog_bdw * 0.8)
     x = {"wg": 0, "wc": 1, "wd": 0, "cg": 0, "cc": 1, "cd": 0, "hg": 0, "hc": 1, "hd": 0}
     ch = Choice(48, 8, compress_weight=True, compress_cache=True)
-    fast, probed = CostModel(s, hw, W512, ch).terms(x), CostModel(s, slow, W512, ch).terms(x)
-    # decode's bytes of an attention layer, counted here from the sizes: 4-bit weights, the staged
-    # cache rows over the average context, the activations loaded
-    j = next(i for i, l in enumerate(s.layers) if l.kind == "attn")
-    w = layer_bytes(s.layers[j], 2, weight_config(4, 64))
+    models = {h: CostModel(s, h, W512, ch) for h in (hw, slow)}
+    fast, probed = (models[h].terms(x) for h in (hw, slow))
+    # decode's bytes of an (attn, mlp) pair, counted here from the sizes: 4-bit weights, the
+    # staged cache rows over the average context, the activations each layer loads
+    w = sum(layer_bytes(s.layers[j], 2, weight_config(4, 64)) for j in (1, 2))
+    assert [s.layers[j].kind for j in (1, 2)] == ["attn", "mlp"]
     kv = kv_record_bytes(s.num_kv_heads, s.head_dim, 2, kv_config(4, 64, s.head_dim))
-    moved = w + 384 * (512 + 32 / 2) * kv + 384 * s.hidden_size * 2
-    assert probed[("g", "attn")]["ctog"] == pytest.approx(moved / slow.decode_ctog_bdw)
-    assert fast[("g", "attn")]["ctog"] == pytest.approx(moved / hw.ctog_bdw)
+    moved = w + 384 * (512 + 32 / 2) * kv + 2 * 384 * s.hidden_size * 2
+    assert models[slow].cache_pool(x, probed)["ctog"] == pytest.approx(moved / slow.decode_ctog_bdw)
+    assert models[hw].cache_pool(x, fast)["ctog"] == pytest.approx(moved / hw.ctog_bdw)
     assert probed[("p", "attn")]["ctog"] == pytest.approx(fast[("p", "attn")]["ctog"])
     assert hw.decode_link_bdw() == hw.ctog_bdw
     cpu = Choice(16, 4, cpu_cache_compute=True)
@@ -253,6 +255,31 @@ def test_decode_copies_take_the_engines_measured_link_rate():
     pair = {h: CostModel(s, h, W512, cpu) for h in (hw, slow)}
     pools = {h: m.cache_pool(y, m.terms(y))["ctog"] for h, m in pair.items()}
     assert pools[slow] == pytest.approx(pools[hw] / 0.8)
+
+
+def test_staged_cache_rows_idle_the_link_while_the_mlp_layer_computes():
+    """GPU attention over CPU rows, several GPU batches: a decode pair takes the pair's link
+    seconds plus the idle of the rows' two-slot ring (two attention steps and the MLP layer on the
+    GPU, less two batches' copies), where that idle is positive; more rows per batch hide it."""
+    from dataclasses import replace
+
+    s = spec("opt-30b")
+    hw = replace(h200(), host_step_s=0.0)
+    x = {"wg": 0, "wc": 1, "wd": 0, "cg": 0, "cc": 1, "cd": 0, "hg": 0, "hc": 1, "hd": 0}
+    idle = {}
+    for g, n in ((8, 48), (96, 4)):
+        m = CostModel(s, hw, W512, Choice(g, n, compress_weight=True, compress_cache=True))
+        t = m.terms(x)
+        attn, mlp = t[("g", "attn")], t[("g", "mlp")]
+        copy = g * (512 + 16) * m.kv / hw.ctog_bdw  # one batch's rows
+        link = m.cache_pool(x, t)["ctog"]
+        idle[(g, n)] = 2 * attn["comp"] / n + mlp["comp"] - 2 * copy
+        pair = max(link + max(0.0, idle[(g, n)]), m.layer_time(attn) + m.layer_time(mlp))
+        ends = sum(m.count[k] * m.layer_time(t[("g", k)]) for k in ("embed", "head"))
+        assert m.evaluate(x).decode_s == pytest.approx(31 * (m.count["attn"] * pair + ends), rel=1e-9)
+    assert idle[(8, 48)] > 0 > idle[(96, 4)]
+    one = CostModel(s, hw, W512, Choice(64, 1, compress_weight=True, compress_cache=True))
+    assert one.staged_chain(x, one.terms(x)) == 0 and one.cache_pool(x, one.terms(x)) == {}
 
 
 def test_profiles_without_the_host_step_still_load(tmp_path):
