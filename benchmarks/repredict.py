@@ -1,8 +1,9 @@
 """Recorded runs against the current cost model: measured over predicted, then and now.
 
 Knows: reading throughput.py's JSON records (policy, workload, measured throughput and decode
-time), predicting each again with today's cost model and a hardware profile, and printing
-both ratios, so a change to the cost model is checked offline against real runs before it
+time), predicting each again with today's cost model and a hardware profile (one for all, or
+each run's own beside its record), optionally at the link rate the run measured, and printing
+the ratios, so a change to the cost model is checked offline against real runs before it
 is measured again on the device. Writes the rows as JSON.
 """
 
@@ -24,31 +25,46 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("records", type=Path, nargs="+")
     ap.add_argument("--hardware", default="benchmarks/data/h200-measured.json")
+    ap.add_argument("--own-profile", action="store_true",
+                    help="price each record with profile-COMMIT.json beside it (its run's commit), where there is one")
+    ap.add_argument("--own-link", action="store_true",
+                    help="also price decode's copies at the link rate the run itself measured (decode_link_GBps)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    from dataclasses import replace
+
     from flexoff.checkpoint import load_model
     from flexoff.policy import hardware
     from flexoff.policy.cost_model import Workload
     from flexoff.policy.policy import Policy
 
-    hw = hardware.load(args.hardware)
+    default = hardware.load(args.hardware)
     rows: list[dict[str, Any]] = []
     for path in args.records:
         for line in path.read_text().splitlines():
             r = json.loads(line)
-            if "policy_json" not in r:
+            if "policy_json" not in r or r.get("kind") == "warm-up":
                 continue
+            own = path.parent / f"profile-{str(r.get('commit', '')).removesuffix('+wip')}.json"
+            hw = hardware.load(str(own)) if args.own_profile and own.is_file() else default
             spec = load_model(r["model"]).spec
             p = Policy.from_dict(r["policy_json"])
-            pred = predict(spec, hw, p, Workload(r["prompt_len"], r["gen_len"], 2, r.get("num_prompts")))
-            rows.append({"record": path.name, "label": r["label"], "policy": p.describe(),
-                         "decode_s": r["decode_s"], "predicted_decode_s_then": r["predicted_decode_s"],
-                         "predicted_decode_s_now": pred.decode_s,
-                         "measured/predicted_then": r["measured/predicted"],
-                         "measured/predicted_now": r["gen_tok_s"] / pred.throughput,
-                         "bottleneck_now": pred.bottleneck})
+            work = Workload(r["prompt_len"], r["gen_len"], 2, r.get("num_prompts"))
+            pred = predict(spec, hw, p, work)
+            row = {"record": path.name, "label": r["label"], "policy": p.describe(), "profile": hw.name
+                   if hw is default else own.name, "decode_s": r["decode_s"],
+                   "predicted_decode_s_then": r["predicted_decode_s"], "predicted_decode_s_now": pred.decode_s,
+                   "measured/predicted_then": r["measured/predicted"],
+                   "measured/predicted_now": r["gen_tok_s"] / pred.throughput, "bottleneck_now": pred.bottleneck}
+            if args.own_link and r.get("decode_link_GBps"):
+                at = predict(spec, replace(hw, decode_ctog_bdw=r["decode_link_GBps"] * 1e9), p, work)
+                row.update({"predicted_decode_s_own_link": at.decode_s,
+                            "decode/predicted_own_link": r["decode_s"] / at.decode_s})
+            rows.append(row)
     cols = ["record", "label", "decode_s", "predicted_decode_s_then", "predicted_decode_s_now",
             "measured/predicted_then", "measured/predicted_now", "bottleneck_now"]
+    if args.own_link:
+        cols += ["predicted_decode_s_own_link", "decode/predicted_own_link"]
     print(table(rows, cols))
     if args.out:
         write_jsonl(args.out, rows)
