@@ -383,7 +383,7 @@ def ppl(model: str | None, text_path: str, max_tokens: int | None, dtype: str, d
 @click.option("--offload-dir", type=click.Path(file_okay=False), default=None, help="Where disk bandwidth is measured.")
 @click.option("--output", type=click.Path(dir_okay=False), default=None, help="Also write the profile here.")
 def profile(offload_dir: str | None, output: str | None) -> None:
-    """Measure this machine for the cost model (about a minute and a half) and cache the result."""
+    """Measure this machine for the cost model (about two minutes) and cache the result."""
     from flexoff import profiler
     from flexoff.policy import hardware
 

@@ -88,8 +88,9 @@ def decode_link_rate(dev: torch.device, offload_dir: str | None = None, repeats:
         rates = []
         for _ in range(repeats):
             traffic = llm.generate(prompts, max_new_tokens=gen).stats.traffic_decode
-            rates.append(traffic["h2d"] / traffic["h2d_busy_s"])
-    return statistics.median(rates)
+            if traffic.get("h2d_busy_s"):
+                rates.append(traffic["h2d"] / traffic["h2d_busy_s"])
+    return statistics.median(rates) if rates else 0.0
 
 
 def host_probe(nb: int = 4, w_gpu_percent: float = 100, compress_weight: bool = False, split: bool = False) -> Policy:

@@ -251,7 +251,7 @@ class CostModel:
         Empty where rows are not priced over the pair."""
         if not self.pooled:
             return {}
-        hw, bls = self.hw, self.ch.bls
+        hw = self.hw
         disk, rows = self.staged_bytes(x)
         attn, mlp = terms[("g", "attn")], terms[("g", "mlp")]
         rate = hw.decode_link_bdw()
@@ -274,10 +274,10 @@ class CostModel:
         the pair's link seconds, plus the time the rows' stream idles once the next attention
         layer's first two batches have loaded, until the first one's attention frees a slot:
         two attention steps and the MLP layer between them on the GPU, less the two batches'
-        copies (the host, ahead of the GPU where the link binds, is not on this path). On one H100, OPT-30B's 4-bit
-        64x6 kept the link 90% busy and 80x4 99% (benchmarks/RESULTS.md). 0 where it does not
-        apply (no staged rows, one GPU batch, CPU attention, overlap off); floats only: the LP
-        prices the pair by cache_pool."""
+        copies (the host, ahead of the GPU where the link binds, is not on this path). On one
+        H100, OPT-30B's 4-bit 64x6 kept the link 90% busy and 80x4 99% (benchmarks/RESULTS.md).
+        0 where it does not apply (no staged rows, one GPU batch, CPU attention, overlap off);
+        floats only: the LP prices the pair by cache_pool."""
         rows = self.staged_bytes(x)[1]
         if not self.staged_pool or rows <= 0:
             return 0.0
