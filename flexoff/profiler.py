@@ -27,6 +27,7 @@ from flexoff.policy.policy import Policy
 
 HOST_STEP_REPEATS = 3  # measured runs of the host step, after a warm-up
 PROBE_BLOCKS = 32  # transformer blocks of the profile's probe model (a 7B model's depth)
+PROBE_VOCAB = CONFIGS["opt-tiny"]["vocab_size"]  # the probe models' vocabulary (the tiny model's)
 
 
 def host_step(dev: torch.device, offload_dir: str | None = None, nb: int = 4, gen: int = 16,
@@ -54,7 +55,7 @@ def probe_model(blocks: int = PROBE_BLOCKS, widths: str = "opt-tiny") -> Iterato
     with tempfile.TemporaryDirectory(prefix="flexoff-probe-") as tmp:
         path = Path(tmp) / "config.json"
         path.write_text(json.dumps({**CONFIGS[widths], "num_hidden_layers": blocks,
-                                    "vocab_size": CONFIGS["opt-tiny"]["vocab_size"]}))
+                                    "vocab_size": PROBE_VOCAB}))
         yield f"dummy:{path}"
 
 
@@ -78,8 +79,7 @@ def decode_link_rate(dev: torch.device, offload_dir: str | None = None, repeats:
         return 0.0
     policy = link_probe()
     g = torch.Generator().manual_seed(0)
-    vocab = CONFIGS["opt-tiny"]["vocab_size"]
-    prompts = [{"prompt_ids": torch.randint(3, vocab, (prompt_len,), generator=g).tolist()}
+    prompts = [{"prompt_ids": torch.randint(3, PROBE_VOCAB, (prompt_len,), generator=g).tolist()}
                for _ in range(policy.block_size)]
     with probe_model(blocks=2, widths="opt-6.7b") as model, \
             LLM(model, policy=policy, device=dev, offload_dir=offload_dir) as llm:

@@ -96,7 +96,7 @@ class CoServeCostModel(CostModel):
         terms = self.terms(x)
         sweep = {s: sum(self.count[k] * self.layer_time(terms[(s, k)]) for k in KINDS) for s in ("p", "g", "b")}
         pair = self.layer_time(terms[("g", "attn")]) + self.layer_time(terms[("g", "mlp")])
-        pool = max([*self.cache_pool(x, terms).values(), self.staged_chain(x, terms)])
+        pool = self.pair_pool(x, terms)[1]
         sweep["g"] += self.count["attn"] * max(0.0, pool - pair)
         decode = (self.work.gen_len - 1) * sweep["g"] + sweep["b"]
         stage, worst = max(((s, k) for s in ("p", "g", "b") for k in KINDS),

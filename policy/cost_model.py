@@ -141,7 +141,7 @@ class CostModel:
         # where the GPU attends over staged (CPU, disk) rows of several GPU batches, the rows load
         # one attention step ahead through a ring of two slots, in step order on one stream: the
         # next attention layer's first two batches load while the MLP layer before it runs, and
-        # the third waits for the first one's attention (staged_chain). Priced over the pair too.
+        # the third waits for the first one's attention (staged_idle). Priced over the pair too.
         self.staged_pool = not choice.cpu_cache_compute and choice.overlap and choice.num_gpu_batches > 1 \
             and self.count["attn"] == self.count["mlp"] > 0
         self.pooled = self.cache_ahead or self.staged_pool  # staged rows priced over the pair
@@ -269,22 +269,29 @@ class CostModel:
         per = self.ch.bls * (self.work.prompt_len + self.work.gen_len / 2) * self.kv
         return x["cd"] * per, (x["cd"] + (0 if self.ch.cpu_cache_compute else x["cc"])) * per
 
-    def staged_chain(self, x: Mapping[str, float], terms: Mapping[tuple[str, str], Mapping[str, float]]) -> float:
-        """Seconds of a decode pair where the GPU attends over staged rows of several GPU batches:
-        the pair's link seconds, plus the time the rows' stream idles once the next attention
-        layer's first two batches have loaded, until the first one's attention frees a slot:
-        two attention steps and the MLP layer between them on the GPU, less the two batches'
-        copies (the host, ahead of the GPU where the link binds, is not on this path). On one
-        H100, OPT-30B's 4-bit 64x6 kept the link 90% busy and 80x4 99% (benchmarks/RESULTS.md).
-        0 where it does not apply (no staged rows, one GPU batch, CPU attention, overlap off);
-        floats only: the LP prices the pair by cache_pool."""
+    def staged_idle(self, x: Mapping[str, float], terms: Mapping[tuple[str, str], Mapping[str, float]]) -> float:
+        """Seconds a decode pair's link idles where the GPU attends over staged rows of several
+        GPU batches: once the next attention layer's first two batches have loaded, the rows'
+        stream waits until the first one's attention frees a slot, that is two attention steps
+        and the MLP layer between them on the GPU, less the two batches' copies (the host, ahead
+        of the GPU where the link binds, is not on this path). On one H100, OPT-30B's 4-bit 64x6
+        kept the link 90% busy and 80x4 99% (benchmarks/RESULTS.md). 0 where it does not apply
+        (no staged rows, one GPU batch, CPU attention, overlap off); floats only: the LP prices
+        the pair by cache_pool."""
         rows = self.staged_bytes(x)[1]
         if not self.staged_pool or rows <= 0:
             return 0.0
         nb, attn, mlp = self.ch.num_gpu_batches, terms[("g", "attn")], terms[("g", "mlp")]
         copy = rows / self.hw.decode_link_bdw() / nb  # one batch's staged rows
-        idle = max(0.0, 2 * attn["comp"] / nb + mlp["comp"] - 2 * copy)
-        return attn["ctog"] + mlp["ctog"] + rows / self.hw.decode_link_bdw() + idle
+        return max(0.0, 2 * attn["comp"] / nb + mlp["comp"] - 2 * copy)
+
+    def pair_pool(self, x: Mapping[str, float], terms: Mapping[tuple[str, str], Mapping[str, float]]) -> tuple[str, float]:
+        """A concrete placement's largest shared term of a decode pair, by name: cache_pool's,
+        the link's with the staged rows' idle added; ("", 0) where none applies."""
+        pool = dict(self.cache_pool(x, terms))
+        if "ctog" in pool:
+            pool["ctog"] += self.staged_idle(x, terms)
+        return max(pool.items(), key=lambda kv: kv[1], default=("", 0.0))
 
     def pooled_traffic(self, x: Mapping[str, Any]) -> Any:
         """Seconds of transfers per decode pair that cache_pool adds to the layers' own terms."""
@@ -355,8 +362,7 @@ class CostModel:
         pre = sum(self.count[k] * self.layer_time(terms[("p", k)]) for k in KINDS)
         gen = sum(self.count[k] * self.layer_time(terms[("g", k)]) for k in KINDS)
         pair = self.layer_time(terms[("g", "attn")]) + self.layer_time(terms[("g", "mlp")])
-        pool = max(self.cache_pool(x, terms).items(), key=lambda kv: kv[1], default=("", 0.0))
-        pool = max(pool, ("ctog", self.staged_chain(x, terms)), key=lambda kv: kv[1])
+        pool = self.pair_pool(x, terms)
         gen += self.count["attn"] * max(0.0, pool[1] - pair)  # pairs the shared transfers hold up
         decode = (n - 1) * gen
         worst = max(KINDS, key=lambda k: self.count[k] * self.layer_time(terms[("g" if n > 1 else "p", k)]))

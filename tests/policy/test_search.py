@@ -279,7 +279,7 @@ def test_staged_cache_rows_idle_the_link_while_the_mlp_layer_computes():
         assert m.evaluate(x).decode_s == pytest.approx(31 * (m.count["attn"] * pair + ends), rel=1e-9)
     assert idle[(8, 48)] > 0 > idle[(96, 4)]
     one = CostModel(s, hw, W512, Choice(64, 1, compress_weight=True, compress_cache=True))
-    assert one.staged_chain(x, one.terms(x)) == 0 and one.cache_pool(x, one.terms(x)) == {}
+    assert one.staged_idle(x, one.terms(x)) == 0 and one.cache_pool(x, one.terms(x)) == {}
 
 
 def test_profiles_without_the_host_step_still_load(tmp_path):
