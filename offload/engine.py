@@ -340,8 +340,11 @@ class Engine:
     def traffic(self) -> dict[str, float]:
         """Bytes issued so far: by copy path, and KV bytes read by CPU attention; seconds the main
         thread waited for CPU attention and the CPU lane spent on it, and seconds the link was busy
-        with the engine's host-to-device copies (CUDA), and the CUDA allocator's retries (an
-        allocation that found the memory cap reached, synchronized the device and freed its cache)."""
+        with the engine's host-to-device copies (CUDA), the CUDA allocator's retries (an
+        allocation that found the memory cap reached, synchronized the device and freed its cache),
+        seconds the disk-read thread spent reading, and seconds the scheduling thread waited for
+        a thread's work before the compute stream could wait for it (CUDA)."""
         retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if self.lanes.cuda else 0
         return {**self.mover.traffic, "cpu_attention": self.cpu_attention_bytes, **self.timing,
-                "h2d_busy_s": self.mover.link_seconds(), "alloc_retries": retries}
+                "h2d_busy_s": self.mover.link_seconds(), "alloc_retries": retries,
+                "disk_read_s": self.mover.disk_read_s, "compute_blocked_s": self.lanes.compute.blocked_s}

@@ -12,6 +12,7 @@ Does not know: what the work is (copies, attention), tiers, models.
 from __future__ import annotations
 
 import os
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
@@ -153,10 +154,15 @@ class ComputeLane:
         self.device = device
         self.cuda = device.type == "cuda"
         self.stream = torch.cuda.current_stream(device) if self.cuda else None
+        self.blocked_s = 0.0  # seconds the calling thread waited here for work still on a thread (CUDA)
 
     def wait(self, deps: Iterable[Event]) -> None:
         for d in _distinct(deps):
             if self.cuda:
+                if d.host_pending:  # the stream can wait only once the thread has enqueued it
+                    t0 = time.perf_counter()
+                    d.resolve()
+                    self.blocked_s += time.perf_counter() - t0
                 d.wait_stream(self.stream)
             else:
                 d.wait_host()

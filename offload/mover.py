@@ -10,6 +10,7 @@ Does not know: what the bytes are or why they move.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Literal
@@ -57,6 +58,7 @@ class Mover:
         self._bounce: dict[str, list[torch.Tensor]] = {}  # pinned, allocated on first disk use
         self._bounce_ev: dict[str, list] = {"read": [None, None], "write": [None, None]}
         self.link_s = 0.0  # seconds the link spent on host-to-device copies (CUDA), once measured
+        self.disk_read_s = 0.0  # seconds the disk-read thread spent reading files
         self._timed: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
         self._ref: torch.cuda.Event | None = None  # the first timed copy's start
         self._busy_to = 0.0  # ms after _ref up to which the link's busy time is counted
@@ -189,7 +191,14 @@ class Mover:
         return self._bounce[which]
 
     def _read(self, dst: Span, src: Span) -> Event | None:
-        """Disk -> memory, on the disk-read thread."""
+        """Disk -> memory, on the disk-read thread (timed: disk_read_s)."""
+        t0 = time.perf_counter()
+        try:
+            return self._read_spans(dst, src)
+        finally:
+            self.disk_read_s += time.perf_counter() - t0
+
+    def _read_spans(self, dst: Span, src: Span) -> Event | None:
         m = dst.mem()
         if not m.is_cuda:
             src.buf.read_into(src.offset, m)
