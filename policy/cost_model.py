@@ -19,7 +19,7 @@ Names follow the FlexGen paper:
 | s, n | prompt length, tokens generated per sequence |
 | bls, gbs | block size (gbs x number of GPU batches), GPU batch size |
 | h1, h2, nh | hidden size, MLP hidden size, attention heads |
-| ctog_bdw, gtoc_bdw, dtoc_bdw, ctod_bdw | CPU->GPU, GPU->CPU, disk->CPU, CPU->disk bandwidths; in decode, CPU->GPU at the rate the profile measured the engine's decode copies at (decode_ctog_bdw, not in FlexGen) |
+| ctog_bdw, gtoc_bdw, dtoc_bdw, ctod_bdw | CPU->GPU, GPU->CPU, disk->CPU, CPU->disk bandwidths; in decode, CPU->GPU at the rate the profile measured the engine's decode copies at (decode_ctog_bdw, not in FlexGen); disk->CPU from the page cache (dtoc_cached_bdw, not in FlexGen) for a model built `cached_disk`, whose placements keep the host tiers within PAGE_CACHE_SHARE of host memory |
 | mm_flops, bmm_flops | GPU matmul and batched-matmul FLOP/s (p: prefill shapes, at the model's hidden size where measured; g: decode) |
 | E, gpu_mem_bdw | a layer's elementwise bytes per token (norms, residuals, activations, head moves) over the device's rate for them (not in FlexGen) |
 | cpu_flops, cpu_attn_bdw | CPU attention FLOP/s, and the KV bytes/s it reads |
@@ -33,6 +33,7 @@ Names follow the FlexGen paper:
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -46,6 +47,9 @@ VARS = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd")
 # the largest share of a decode that the engine's CPU attention lane was busy where it bound
 # (0.88-0.89: OPT-30B, 12x6 and 24x3 with (nearly) all of the cache in CPU memory, H200; RESULTS.md)
 CPU_LANE_SHARE = 0.9
+# the share of host memory that the CPU tier and the disk tier together may fill for the disk
+# tier's files to stay in the page cache (the rest: the process's own memory, the system's)
+PAGE_CACHE_SHARE = 0.9
 KINDS = ("embed", "attn", "mlp", "head")
 
 
@@ -105,8 +109,11 @@ class Prediction:
 class CostModel:
     vars = VARS  # the LP's placement fractions
 
-    def __init__(self, spec: ModelSpec, hw: Hardware, work: Workload, choice: Choice):
+    def __init__(self, spec: ModelSpec, hw: Hardware, work: Workload, choice: Choice, cached_disk: bool = False):
         self.spec, self.hw, self.work, self.ch = spec, hw, work, choice
+        # disk reads from the page cache: the placement must leave it room (constraints)
+        self.cached_disk = cached_disk
+        self.dtoc_bdw = hw.disk_read_bdw(cached_disk)
         eb = work.elem_bytes
         wq = weight_config(choice.quant_bits, choice.quant_group) if choice.compress_weight else None
         kq = kv_config(choice.quant_bits, choice.quant_group, spec.head_dim) if choice.compress_cache else None
@@ -189,7 +196,7 @@ class CostModel:
                     "ctog": ((x["wc"] + x["wd"]) * (W + self.lora_layer[k]) + (x["hc"] + x["hd"]) * act * h_in)
                     / link,
                     "gtoc": (x["hc"] + x["hd"]) * act * h_out / hw.gtoc_bdw_hidden,
-                    "dtoc": (x["wd"] * W + x["hd"] * act * h_in) / hw.dtoc_bdw,
+                    "dtoc": (x["wd"] * W + x["hd"] * act * h_in) / self.dtoc_bdw,
                     "ctod": x["hd"] * act * h_out / hw.ctod_bdw_hidden,
                 }
                 rows = 1 if (stage == "p" and k == "head") else tok  # the head sees the last token only
@@ -205,7 +212,7 @@ class CostModel:
                 elif attn:
                     if not self.pooled:  # else over the pair of layers (cache_pool)
                         t["ctog"] += staged * bls * ctx * self.kv / link
-                        t["dtoc"] += x["cd"] * bls * ctx * self.kv / hw.dtoc_bdw
+                        t["dtoc"] += x["cd"] * bls * ctx * self.kv / self.dtoc_bdw
                     t["gtoc"] += staged * bls * self.kv / hw.gtoc_bdw_cache
                     t["ctod"] += x["cd"] * bls * self.kv / hw.ctod_bdw_cache
                     gpu += on_gpu * bls * spec.attn_flops(ctx) / hw.bmm_flops_g
@@ -257,7 +264,7 @@ class CostModel:
         rate = hw.decode_link_bdw()
         link = attn["ctog"] + mlp["ctog"] + rows / rate
         read, sec = self.cpu_attention(x) if self.ch.cpu_cache_compute else (0, 0)
-        out = {"ctog": link, "dtoc": attn["dtoc"] + mlp["dtoc"] + disk / hw.dtoc_bdw,
+        out = {"ctog": link, "dtoc": attn["dtoc"] + mlp["dtoc"] + disk / self.dtoc_bdw,
                "cpu_mem": (link * rate + read) / hw.cpu_mem_bdw}
         if self.cpu_pooled:
             out["cpu_comp"] = sec / CPU_LANE_SHARE
@@ -298,9 +305,18 @@ class CostModel:
         if not self.pooled:
             return 0
         disk, rows = self.staged_bytes(x)
-        return rows / self.hw.decode_link_bdw() + disk / self.hw.dtoc_bdw
+        return rows / self.hw.decode_link_bdw() + disk / self.dtoc_bdw
 
     # ---- memory --------------------------------------------------------
+    def constraints(self, x: Mapping[str, Any]) -> dict[str, Any]:
+        """Expressions the placement must keep at or below 0 besides the tiers' budgets: for a
+        model that reads the disk from the page cache, the CPU and disk tiers within
+        PAGE_CACHE_SHARE of host memory."""
+        if not self.cached_disk:
+            return {}
+        mem = self.memory(x)
+        return {"page_cache": mem["cpu"] + mem["disk"] - PAGE_CACHE_SHARE * self.hw.cpu_mem}
+
     def cache_memory(self, x: Mapping[str, Any]) -> dict[str, Any]:
         """The KV cache's bytes on each tier: every batch's homes, and the GPU slots staged rows
         load into."""
@@ -373,6 +389,20 @@ class CostModel:
                           {t: float(v) for t, v in self.memory(x).items()},
                           {f"{st}/{k}": {a: float(b) for a, b in v.items()} for (st, k), v in terms.items()})
 
+    def price(self, x: Mapping[str, float]) -> Prediction:
+        """evaluate(x), with disk reads from the page cache where the profile measured its rate
+        and the placement leaves it room for the disk tier (as a model built `cached_disk`)."""
+        if not self.cached_disk and self.hw.disk_read_bdw(True) > self.hw.dtoc_bdw:
+            cached = copy.copy(self)
+            cached.cached_disk, cached.dtoc_bdw = True, self.hw.disk_read_bdw(True)
+            if cached.holds(x):
+                return cached.evaluate(x)
+        return self.evaluate(x)
+
+    def holds(self, x: Mapping[str, float]) -> bool:
+        """Whether a concrete placement keeps this model's constraints."""
+        return all(v <= 0 for v in self.constraints(x).values())
+
     def throughput(self, block_latency: float) -> float:
         """Generated tokens per second over the job: whole blocks of bls sequences."""
         bls, n, N = self.ch.bls, self.work.gen_len, self.work.num_prompts
@@ -380,3 +410,9 @@ class CostModel:
             return bls * n / block_latency
         blocks = -(-N // bls)
         return N * n / (blocks * block_latency)
+
+
+
+def evaluate_policy(spec: ModelSpec, hw: Hardware, work: Workload, choice: Choice, x: Mapping[str, float]) -> Prediction:
+    """The prediction for a concrete placement (CostModel.price)."""
+    return CostModel(spec, hw, work, choice).price(x)

@@ -32,7 +32,8 @@ import torch
 from flexoff.errors import FlexoffError
 
 GB = 1e9
-UNMEASURED_ZERO = ("host_step_s", "lora_host_step_s", "packed_host_step_s", "gpu_mem_bdw", "decode_ctog_bdw")  # fields that may be 0
+UNMEASURED_ZERO = ("host_step_s", "lora_host_step_s", "packed_host_step_s", "gpu_mem_bdw", "decode_ctog_bdw",
+                   "dtoc_cached_bdw")  # fields that may be 0
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,9 @@ class Hardware:
     # bytes/s host -> device while the link is busy in the engine's decode (its copies beside its
     # kernels and its other copies); 0: unmeasured (ctog_bdw)
     decode_ctog_bdw: float = 0.0
+    # bytes/s disk -> host of a file the page cache holds (read again just after it was read);
+    # 0: unmeasured (dtoc_bdw)
+    dtoc_cached_bdw: float = 0.0
 
     def step_host_s(self, compress_weight: bool) -> float:
         """Seconds of host work per engine step of a policy with or without 4-bit weights (a
@@ -79,6 +83,13 @@ class Hardware:
         at where the profile measured it (on H100 machines 49-54 GB/s against 54-55 for one copy
         alone on an idle device; benchmarks/RESULTS.md), else ctog_bdw."""
         return self.decode_ctog_bdw or self.ctog_bdw
+
+    def disk_read_bdw(self, cached: bool) -> float:
+        """Bytes/s of disk reads: from files the page cache holds (`cached`: the engine's files are
+        read through it, so a disk tier that fits the host memory the process leaves is read at
+        memory speed: 3.1-3.5 GB/s in OPT-30B's decode on an H100 host against 1.4 cold;
+        benchmarks/RESULTS.md) where the profile measured that, else from the device (dtoc_bdw)."""
+        return max(self.dtoc_cached_bdw, self.dtoc_bdw) if cached else self.dtoc_bdw
 
     def prefill_mm_flops(self, hidden: int) -> float:
         """FLOP/s of prefill matmuls for a model of this hidden size: the rate measured at the
@@ -222,7 +233,7 @@ def measure(offload_dir: str | None = None, size: int = 512 << 20, quick: bool =
     devbuf.fill_(2)
     ctog = size / _timed(lambda: devbuf.copy_(host, non_blocking=True), sync)
     gtoc = size / _timed(lambda: host.copy_(devbuf, non_blocking=True), sync)
-    dread, dwrite = _disk(offload_dir, host[: min(size, 256 << 20)])
+    dread, dcached, dwrite = _disk(offload_dir, host[: min(size, 256 << 20)])
 
     def mm(m: int, k: int, n: int) -> float:
         a = torch.randn(m, k, device=dev, dtype=dtype)
@@ -247,7 +258,7 @@ def measure(offload_dir: str | None = None, size: int = 512 << 20, quick: bool =
     gpu_mem = torch.cuda.get_device_properties(0).total_memory if cuda else psutil.virtual_memory().total
     return Hardware(f"measured:{platform.node()}", dev.type, gpu_mem=float(gpu_mem),
                     cpu_mem=float(psutil.virtual_memory().total), disk_mem=float(disk_free),
-                    ctog_bdw=ctog, gtoc_bdw_cache=gtoc, gtoc_bdw_hidden=gtoc, dtoc_bdw=dread,
+                    ctog_bdw=ctog, gtoc_bdw_cache=gtoc, gtoc_bdw_hidden=gtoc, dtoc_bdw=dread, dtoc_cached_bdw=dcached,
                     ctod_bdw_cache=dwrite, ctod_bdw_hidden=dwrite, mm_flops_p=mm_p, mm_flops_g=mm_g,
                     bmm_flops_p=bmm_p, bmm_flops_g=bmm_g, cpu_flops=cpu_flops, cpu_attn_bdw=cpu_attn,
                     cpu_mem_bdw=cpu_mem, dequant_bdw=deq, cpu_dequant_bdw=cpu_deq, mm_flops_p_layers=layers,
@@ -303,8 +314,9 @@ def host_copy_bandwidth(nbytes: int) -> tuple[float, float]:
     return 2 * big.numel() * 4 / s, s
 
 
-def _disk(offload_dir: str | None, buf: torch.Tensor) -> tuple[float, float]:
-    """Write then read a file in the offload folder, dropping it from the page cache between."""
+def _disk(offload_dir: str | None, buf: torch.Tensor) -> tuple[float, float, float]:
+    """Write then read a file in the offload folder, dropping it from the page cache between, then
+    read it again from the page cache: (cold read, cached read, write) bytes/s."""
     root = Path(offload_dir or tempfile.gettempdir())
     root.mkdir(parents=True, exist_ok=True)
     fd, path = tempfile.mkstemp(prefix="flexoff-profile-", dir=root)
@@ -316,10 +328,12 @@ def _disk(offload_dir: str | None, buf: torch.Tensor) -> tuple[float, float]:
         write = len(view) / (time.perf_counter() - t0)
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        t0 = time.perf_counter()
-        os.preadv(fd, [view], 0)
-        read = len(view) / (time.perf_counter() - t0)
-        return read, write
+        reads = []
+        for _ in range(2):  # the first from the device, the second from the page cache
+            t0 = time.perf_counter()
+            os.preadv(fd, [view], 0)
+            reads.append(len(view) / (time.perf_counter() - t0))
+        return reads[0], reads[1], write
     finally:
         os.close(fd)
         os.unlink(path)

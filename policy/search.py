@@ -97,6 +97,8 @@ def solve_lp(model: CostModel, budget: Budget, max_latency: float | None = None,
     prob += (traffic if least_traffic else latency) + model.preference(x)
     for tier, expr in model.memory(x).items():
         prob += expr <= getattr(budget, tier), f"mem_{tier}"
+    for name, expr in model.constraints(x).items():
+        prob += expr <= 0, f"con_{name}"
     if max_latency is not None:
         prob += latency <= max_latency / unit
     with warnings.catch_warnings():  # PuLP 3.x announces 4.0's API changes; its bundled CBC is what we use
@@ -171,10 +173,14 @@ def search(spec: ModelSpec, hw: Hardware, work: Workload, budget: Budget, *,
     L = sum(1 for l in spec.layers if l.kind == "attn")
     total = budget.gpu + budget.cpu + budget.disk
     seen = set()
-    for (gbs, nb), cw, cc, ca in itertools.product(shapes, _choices(compress_weight), _choices(compress_cache),
-                                                  _choices(cpu_attention)):
+    # where the profile measured the page cache's read rate: each shape also with the disk tier
+    # read from the page cache, its placements leaving it room (first: a placement both find keeps
+    # that prediction)
+    disk_models = (True, False) if hw.disk_read_bdw(True) > hw.dtoc_bdw and budget.disk > 0 else (False,)
+    for (gbs, nb), cw, cc, ca, cached in itertools.product(shapes, _choices(compress_weight), _choices(compress_cache),
+                                                          _choices(cpu_attention), disk_models):
         ch = Choice(gbs, nb, cw, cc, ca, overlap)
-        model = CostModel(spec, hw, work, ch)
+        model = CostModel(spec, hw, work, ch, cached_disk=cached)
         if model.kv * ch.bls * (work.prompt_len + work.gen_len) * L > total:
             continue  # the cache alone fits nowhere
         sol = solve_lp(model, budget, max_latency)
@@ -213,8 +219,9 @@ def _candidate(model: CostModel, x: dict[str, float], budget: Budget, max_latenc
     x = _fit_slots(model, x, budget)
     for cu, hu in itertools.product(BUMPS, BUMPS):
         policy, frac = round_policy(x, model.ch, {"c": cu, "h": hu})
-        pred = model.evaluate(frac)
-        if not _fits(pred.memory, budget) or (max_latency is not None and pred.latency > max_latency * 1.001):
+        pred = model.price(frac)
+        if not _fits(pred.memory, budget) or not model.holds(frac) \
+                or (max_latency is not None and pred.latency > max_latency * 1.001):
             continue
         if best is None or pred.latency < best.prediction.latency * (1 - 1e-9):
             best = Candidate(policy, pred, frac)

@@ -282,6 +282,45 @@ def test_staged_cache_rows_idle_the_link_while_the_mlp_layer_computes():
     assert one.staged_idle(x, one.terms(x)) == 0 and one.cache_pool(x, one.terms(x)) == {}
 
 
+def test_disk_rows_the_page_cache_holds_are_read_at_its_rate():
+    """With the page cache's read rate in the profile, a placement whose CPU and disk tiers fit
+    PAGE_CACHE_SHARE of host memory reads its disk rows at that rate (the pair's disk seconds are
+    its staged rows' bytes over it); one that does not, or a profile without the rate, at
+    dtoc_bdw. The search's picks keep their predictions under that rule."""
+    from dataclasses import replace
+
+    from flexoff.policy.cost_model import PAGE_CACHE_SHARE, evaluate_policy
+
+    s = spec("opt-30b")
+    hw = replace(h200(), dtoc_bdw=0.3e9, dtoc_cached_bdw=3e9)  # a slow disk, a host's page cache
+    ch = Choice(24, 3, cpu_cache_compute=True)
+    x = {"wg": 0, "wc": 1, "wd": 0, "cg": 0, "cc": 23 / 24, "cd": 1 / 24, "hg": 1, "hc": 0, "hd": 0}
+    cold, cached = CostModel(s, hw, W512, ch), CostModel(s, hw, W512, ch, cached_disk=True)
+    kv = 2 * s.num_kv_heads * s.head_dim * 2  # fp16 keys and values per token
+    rows = 3 * (512 + 32 / 2) * kv  # one row per GPU batch, at the average context
+    for m, rate in ((cold, hw.dtoc_bdw), (cached, hw.dtoc_cached_bdw)):
+        t = m.terms(x)
+        own = t[("g", "attn")]["dtoc"] + t[("g", "mlp")]["dtoc"]
+        assert m.cache_pool(x, t)["dtoc"] - own == pytest.approx(rows / rate)
+    mem = cold.memory(x)
+    assert mem["cpu"] + mem["disk"] <= PAGE_CACHE_SHARE * hw.cpu_mem
+    assert evaluate_policy(s, hw, W512, ch, x).decode_s == pytest.approx(cached.evaluate(x).decode_s)
+    assert cached.evaluate(x).decode_s < cold.evaluate(x).decode_s
+    small = replace(hw, cpu_mem=(mem["cpu"] + mem["disk"]) / PAGE_CACHE_SHARE * 0.99)  # no room left
+    assert not CostModel(s, small, W512, ch, cached_disk=True).holds(x)
+    assert evaluate_policy(s, small, W512, ch, x).decode_s == pytest.approx(cold.evaluate(x).decode_s)
+    unmeasured = replace(hw, dtoc_cached_bdw=0.0)
+    assert evaluate_policy(s, unmeasured, W512, ch, x).decode_s == pytest.approx(cold.evaluate(x).decode_s)
+    budget = Budget.of(hw, 16 * 2**30, 90 * 2**30)  # the cache does not fit CPU memory: disk rows
+    picks = search(s, hw, W512, budget, shapes=[(24, 3), (32, 2)], cpu_attention="on")[:4]
+    alone = search(s, unmeasured, W512, budget, shapes=[(24, 3), (32, 2)], cpu_attention="on")[0]
+    assert picks[0].fractions["cd"] > 0 and picks[0].prediction.throughput > alone.prediction.throughput
+    for c in picks:
+        got = evaluate_policy(s, hw, W512, Choice(c.policy.gpu_batch_size, c.policy.num_gpu_batches,
+                                                  cpu_cache_compute=True), c.fractions)
+        assert got.throughput == pytest.approx(c.prediction.throughput)
+
+
 def test_profiles_without_the_host_step_still_load(tmp_path):
     import json
     from dataclasses import asdict
@@ -451,4 +490,5 @@ def test_the_profiler_measures_layer_matmuls_and_elementwise_passes():
 
     hw = measure(quick=True)
     assert hw.mm_flops_p_layers and all(h > 0 and f > 1e8 for h, f in hw.mm_flops_p_layers)
+    assert hw.dtoc_bdw > 0 and hw.dtoc_cached_bdw > 0  # the file read cold, then from the page cache
     assert hw.gpu_mem_bdw > 1e7
