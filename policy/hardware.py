@@ -87,7 +87,7 @@ class Hardware:
     def disk_read_bdw(self, cached: bool) -> float:
         """Bytes/s of disk reads: from files the page cache holds (`cached`: the engine's files are
         read through it, so a disk tier that fits the host memory the process leaves is read at
-        memory speed: 3.1-3.5 GB/s in OPT-30B's decode on an H100 host against 1.4 cold;
+        memory speed: 2.6-3.5 GB/s in OPT-30B's decode on H100 hosts against 1.3-1.4 cold;
         benchmarks/RESULTS.md) where the profile measured that, else from the device (dtoc_bdw)."""
         return max(self.dtoc_cached_bdw, self.dtoc_bdw) if cached else self.dtoc_bdw
 

@@ -30,6 +30,12 @@ def test_smoke_suite_writes_valid_records(tmp_path):
         assert RUN_KEYS <= set(r), RUN_KEYS - set(r)
         assert r["prefill_s"] > 0 and r["decode_s"] > 0 and r["gen_tok_s"] > 0 and r["predicted_tok_s"] > 0
         assert r["gen_len"] == 8 and r["prompt_len"] == 48
+    # the engine's timing of its disk-read thread, where the decode read the disk
+    traffic = [r["traffic_decode"] for r in recs if r["kind"] != "baseline"]
+    assert all({"disk_read_s", "compute_blocked_s"} <= set(t) for t in traffic)
+    read = [t for t in traffic if t["disk_read"] > 0]
+    assert read and all(t["disk_read_s"] > 0 for t in read)
+    assert all(t["disk_read_s"] == 0 for t in traffic if t["disk_read"] == 0)
     labels = [r["label"] for r in recs if r["kind"] == "ablation"]
     assert labels[0] == "all optimizations" and set(labels) == {
         "all optimizations", "no policy search", "no overlap", "no CPU attention", "no compression", "no disk"}
