@@ -412,7 +412,6 @@ class CostModel:
         return N * n / (blocks * block_latency)
 
 
-
 def evaluate_policy(spec: ModelSpec, hw: Hardware, work: Workload, choice: Choice, x: Mapping[str, float]) -> Prediction:
     """The prediction for a concrete placement (CostModel.price)."""
     return CostModel(spec, hw, work, choice).price(x)

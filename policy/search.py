@@ -173,9 +173,8 @@ def search(spec: ModelSpec, hw: Hardware, work: Workload, budget: Budget, *,
     L = sum(1 for l in spec.layers if l.kind == "attn")
     total = budget.gpu + budget.cpu + budget.disk
     seen = set()
-    # where the profile measured the page cache's read rate: each shape also with the disk tier
-    # read from the page cache, its placements leaving it room (first: a placement both find keeps
-    # that prediction)
+    # where the profile measured the page cache's read rate, each shape also with the disk tier
+    # read from the page cache, its placements leaving the page cache room for it
     disk_models = (True, False) if hw.disk_read_bdw(True) > hw.dtoc_bdw and budget.disk > 0 else (False,)
     for (gbs, nb), cw, cc, ca, cached in itertools.product(shapes, _choices(compress_weight), _choices(compress_cache),
                                                           _choices(cpu_attention), disk_models):
