@@ -10,6 +10,7 @@ is measured again on the device. Writes the rows as JSON.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 from pathlib import Path
@@ -39,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     from flexoff.policy.policy import Policy
 
     default = hardware.load(args.hardware)
+    profiles = functools.cache(lambda path: hardware.load(path))  # each file read once
+    specs = functools.cache(lambda name: load_model(name).spec)
     rows: list[dict[str, Any]] = []
     for path in args.records:
         for line in path.read_text().splitlines():
@@ -46,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
             if "policy_json" not in r or r.get("kind") == "warm-up":
                 continue
             own = path.parent / f"profile-{str(r.get('commit', '')).removesuffix('+wip')}.json"
-            hw = hardware.load(str(own)) if args.own_profile and own.is_file() else default
-            spec = load_model(r["model"]).spec
+            hw = profiles(str(own)) if args.own_profile and own.is_file() else default
+            spec = specs(r["model"])
             p = Policy.from_dict(r["policy_json"])
             work = Workload(r["prompt_len"], r["gen_len"], 2, r.get("num_prompts"))
             pred = predict(spec, hw, p, work)

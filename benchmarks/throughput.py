@@ -204,12 +204,12 @@ def fractions(p: Any, stash: bool = False) -> dict[str, float]:
 
 def predict(spec: Any, hw: Any, p: Any, work: Any) -> Any:
     """The cost model's prediction for a policy as the engine places it (whole rows)."""
-    from flexoff.policy.cost_model import Choice, evaluate_policy
+    from flexoff.policy.cost_model import Choice, CostModel
 
     frac = fractions(p)
     ch = Choice(p.gpu_batch_size, p.num_gpu_batches, p.compress_weight, p.compress_cache,
                 p.cpu_cache_compute, p.overlap, p.quant_bits, p.quant_group)
-    return evaluate_policy(spec, hw, work, ch, frac)
+    return CostModel(spec, hw, work, ch).price(frac)
 
 
 def link_use(traffic: dict[str, Any], seconds: float) -> dict[str, Any]:

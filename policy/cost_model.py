@@ -111,9 +111,7 @@ class CostModel:
 
     def __init__(self, spec: ModelSpec, hw: Hardware, work: Workload, choice: Choice, cached_disk: bool = False):
         self.spec, self.hw, self.work, self.ch = spec, hw, work, choice
-        # disk reads from the page cache: the placement must leave it room (constraints)
-        self.cached_disk = cached_disk
-        self.dtoc_bdw = hw.disk_read_bdw(cached_disk)
+        self._read_disk(cached_disk)
         eb = work.elem_bytes
         wq = weight_config(choice.quant_bits, choice.quant_group) if choice.compress_weight else None
         kq = kv_config(choice.quant_bits, choice.quant_group, spec.head_dim) if choice.compress_cache else None
@@ -389,12 +387,17 @@ class CostModel:
                           {t: float(v) for t, v in self.memory(x).items()},
                           {f"{st}/{k}": {a: float(b) for a, b in v.items()} for (st, k), v in terms.items()})
 
+    def _read_disk(self, cached: bool) -> None:
+        """Price disk reads from the page cache (`cached`: placements must leave it room, see
+        constraints) or from the device."""
+        self.cached_disk, self.dtoc_bdw = cached, self.hw.disk_read_bdw(cached)
+
     def price(self, x: Mapping[str, float]) -> Prediction:
-        """evaluate(x), with disk reads from the page cache where the profile measured its rate
+        """evaluate(x), with disk reads from the page cache where the profile measured it faster
         and the placement leaves it room for the disk tier (as a model built `cached_disk`)."""
-        if not self.cached_disk and self.hw.disk_read_bdw(True) > self.hw.dtoc_bdw:
+        if not self.cached_disk and self.hw.page_cache_faster():
             cached = copy.copy(self)
-            cached.cached_disk, cached.dtoc_bdw = True, self.hw.disk_read_bdw(True)
+            cached._read_disk(True)
             if cached.holds(x):
                 return cached.evaluate(x)
         return self.evaluate(x)
@@ -410,8 +413,3 @@ class CostModel:
             return bls * n / block_latency
         blocks = -(-N // bls)
         return N * n / (blocks * block_latency)
-
-
-def evaluate_policy(spec: ModelSpec, hw: Hardware, work: Workload, choice: Choice, x: Mapping[str, float]) -> Prediction:
-    """The prediction for a concrete placement (CostModel.price)."""
-    return CostModel(spec, hw, work, choice).price(x)

@@ -84,12 +84,17 @@ class Hardware:
         alone on an idle device; benchmarks/RESULTS.md), else ctog_bdw."""
         return self.decode_ctog_bdw or self.ctog_bdw
 
+    def page_cache_faster(self) -> bool:
+        """Whether the profile measured the page cache reading faster than the disk: the engine's
+        files are read through it, so a disk tier that fits the host memory the process leaves is
+        read at memory speed (2.6-3.5 GB/s in OPT-30B's decode on H100 hosts against 1.3-1.4
+        cold; benchmarks/RESULTS.md)."""
+        return self.dtoc_cached_bdw > self.dtoc_bdw
+
     def disk_read_bdw(self, cached: bool) -> float:
-        """Bytes/s of disk reads: from files the page cache holds (`cached`: the engine's files are
-        read through it, so a disk tier that fits the host memory the process leaves is read at
-        memory speed: 2.6-3.5 GB/s in OPT-30B's decode on H100 hosts against 1.3-1.4 cold;
-        benchmarks/RESULTS.md) where the profile measured that, else from the device (dtoc_bdw)."""
-        return max(self.dtoc_cached_bdw, self.dtoc_bdw) if cached else self.dtoc_bdw
+        """Bytes/s of disk reads: from files the page cache holds (`cached`) where it is faster,
+        else from the device (dtoc_bdw)."""
+        return self.dtoc_cached_bdw if cached and self.page_cache_faster() else self.dtoc_bdw
 
     def prefill_mm_flops(self, hidden: int) -> float:
         """FLOP/s of prefill matmuls for a model of this hidden size: the rate measured at the

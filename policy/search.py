@@ -175,7 +175,7 @@ def search(spec: ModelSpec, hw: Hardware, work: Workload, budget: Budget, *,
     seen = set()
     # where the profile measured the page cache's read rate, each shape also with the disk tier
     # read from the page cache, its placements leaving the page cache room for it
-    disk_models = (True, False) if hw.disk_read_bdw(True) > hw.dtoc_bdw and budget.disk > 0 else (False,)
+    disk_models = (True, False) if hw.page_cache_faster() and budget.disk > 0 else (False,)
     for (gbs, nb), cw, cc, ca, cached in itertools.product(shapes, _choices(compress_weight), _choices(compress_cache),
                                                           _choices(cpu_attention), disk_models):
         ch = Choice(gbs, nb, cw, cc, ca, overlap)

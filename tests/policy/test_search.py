@@ -289,7 +289,7 @@ def test_disk_rows_the_page_cache_holds_are_read_at_its_rate():
     dtoc_bdw. The search's picks keep their predictions under that rule."""
     from dataclasses import replace
 
-    from flexoff.policy.cost_model import PAGE_CACHE_SHARE, evaluate_policy
+    from flexoff.policy.cost_model import PAGE_CACHE_SHARE
 
     s = spec("opt-30b")
     hw = replace(h200(), dtoc_bdw=0.3e9, dtoc_cached_bdw=3e9)  # a slow disk, a host's page cache
@@ -304,20 +304,20 @@ def test_disk_rows_the_page_cache_holds_are_read_at_its_rate():
         assert m.cache_pool(x, t)["dtoc"] - own == pytest.approx(rows / rate)
     mem = cold.memory(x)
     assert mem["cpu"] + mem["disk"] <= PAGE_CACHE_SHARE * hw.cpu_mem
-    assert evaluate_policy(s, hw, W512, ch, x).decode_s == pytest.approx(cached.evaluate(x).decode_s)
+    assert cold.price(x).decode_s == pytest.approx(cached.evaluate(x).decode_s)
     assert cached.evaluate(x).decode_s < cold.evaluate(x).decode_s
     small = replace(hw, cpu_mem=(mem["cpu"] + mem["disk"]) / PAGE_CACHE_SHARE * 0.99)  # no room left
     assert not CostModel(s, small, W512, ch, cached_disk=True).holds(x)
-    assert evaluate_policy(s, small, W512, ch, x).decode_s == pytest.approx(cold.evaluate(x).decode_s)
+    assert CostModel(s, small, W512, ch).price(x).decode_s == pytest.approx(cold.evaluate(x).decode_s)
     unmeasured = replace(hw, dtoc_cached_bdw=0.0)
-    assert evaluate_policy(s, unmeasured, W512, ch, x).decode_s == pytest.approx(cold.evaluate(x).decode_s)
+    assert CostModel(s, unmeasured, W512, ch).price(x).decode_s == pytest.approx(cold.evaluate(x).decode_s)
     budget = Budget.of(hw, 16 * 2**30, 90 * 2**30)  # the cache does not fit CPU memory: disk rows
     picks = search(s, hw, W512, budget, shapes=[(24, 3), (32, 2)], cpu_attention="on")[:4]
     alone = search(s, unmeasured, W512, budget, shapes=[(24, 3), (32, 2)], cpu_attention="on")[0]
     assert picks[0].fractions["cd"] > 0 and picks[0].prediction.throughput > alone.prediction.throughput
     for c in picks:
-        got = evaluate_policy(s, hw, W512, Choice(c.policy.gpu_batch_size, c.policy.num_gpu_batches,
-                                                  cpu_cache_compute=True), c.fractions)
+        got = CostModel(s, hw, W512, Choice(c.policy.gpu_batch_size, c.policy.num_gpu_batches,
+                                            cpu_cache_compute=True)).price(c.fractions)
         assert got.throughput == pytest.approx(c.prediction.throughput)
 
 
