@@ -85,10 +85,11 @@ class _Slot:
 
 class RowStore:
     """Tensors (n, s, hidden) keyed by their holder, rows split across tiers, loaded back on the
-    lane `lane` names ("load", or "fetch": a stream of its own, not behind weight copies), into
-    a ring of `slots` device buffers (none: a fresh tensor for each load)."""
+    lane `lane` names (a lane of its own: a load waits for its ring slot's last reader, and that
+    wait must not hold up other loads), into a ring of `slots` device buffers (none: a fresh
+    tensor for each load)."""
 
-    lane: Literal["load", "fetch"] = "load"
+    lane: Literal["hidden", "fetch"] = "hidden"
 
     def __init__(self, keys: Iterable[Hashable], split: dict[str, int], row_bytes: int, dtype: torch.dtype,
                  mem: Ledger, lanes: Lanes, mover: Mover, slots: int = 0):

@@ -276,19 +276,20 @@ class CostModel:
 
     def staged_idle(self, x: Mapping[str, float], terms: Mapping[tuple[str, str], Mapping[str, float]]) -> float:
         """Seconds a decode pair's link idles where the GPU attends over staged rows of several
-        GPU batches: once the next attention layer's first two batches have loaded, the rows'
-        stream waits until the first one's attention frees a slot, that is two attention steps
-        and the MLP layer between them on the GPU, less the two batches' copies (the host, ahead
-        of the GPU where the link binds, is not on this path). On one H100, OPT-30B's 4-bit 64x6
-        kept the link 90% busy and 80x4 99% (benchmarks/RESULTS.md). 0 where it does not apply
-        (no staged rows, one GPU batch, CPU attention, overlap off); floats only: the LP prices
-        the pair by cache_pool."""
+        GPU batches: the rows load one attention step ahead into a ring of two slots, so the
+        next attention layer's third batch waits until its first one's attention frees a slot.
+        That is two attention steps and the MLP layer between them on the GPU; meanwhile the
+        link carries the first two batches' rows and the pair's own layer copies (weights,
+        hidden states), whose slots free during the same stretch. (The host, ahead of the GPU
+        where the link binds, is not on this path.) 0 where it does not apply (no staged rows,
+        one GPU batch, CPU attention, overlap off); floats only: the LP prices the pair by
+        cache_pool."""
         rows = self.staged_bytes(x)[1]
         if not self.staged_pool or rows <= 0:
             return 0.0
         nb, attn, mlp = self.ch.num_gpu_batches, terms[("g", "attn")], terms[("g", "mlp")]
         copy = rows / self.hw.decode_link_bdw() / nb  # one batch's staged rows
-        return max(0.0, 2 * attn["comp"] / nb + mlp["comp"] - 2 * copy)
+        return max(0.0, 2 * attn["comp"] / nb + mlp["comp"] - 2 * copy - attn["ctog"] - mlp["ctog"])
 
     def pair_pool(self, x: Mapping[str, float], terms: Mapping[tuple[str, str], Mapping[str, float]]) -> tuple[str, float]:
         """A concrete placement's largest shared term of a decode pair, by name: cache_pool's,
