@@ -253,7 +253,11 @@ class CostModel:
         share: on the H200 machine that sum, at the profile's `cpu_mem_bdw`, is what OPT-30B's
         CPU-attention policies decode at (benchmarks/RESULTS.md). With the GPU attending over
         staged rows of several GPU batches (overlap on), the link and host memory terms alike.
-        Empty where rows are not priced over the pair."""
+        Where the GPU attends over staged rows, their disk reads add to the link's time: rows load
+        one step ahead only, and a step's compute waits on the host for its rows' read (OPT-30B
+        4-bit 48x10 with 8% of the cache on disk decoded at 0.71 of the larger of the two on
+        an H100, its host blocked 18 ms a pair; benchmarks/RESULTS.md). Empty where rows are
+        not priced over the pair."""
         if not self.pooled:
             return {}
         hw = self.hw
@@ -264,6 +268,8 @@ class CostModel:
         read, sec = self.cpu_attention(x) if self.ch.cpu_cache_compute else (0, 0)
         out = {"ctog": link, "dtoc": attn["dtoc"] + mlp["dtoc"] + disk / self.dtoc_bdw,
                "cpu_mem": (link * rate + read) / hw.cpu_mem_bdw}
+        if self.staged_pool:  # read one step ahead only: a step's compute waits on the host for
+            out["ctog"] = link + disk / self.dtoc_bdw  # its rows' read, so reads and copies add up
         if self.cpu_pooled:
             out["cpu_comp"] = sec / CPU_LANE_SHARE
         return out

@@ -260,12 +260,13 @@ def test_decode_copies_take_the_engines_measured_link_rate():
 def test_staged_cache_rows_idle_the_link_while_the_mlp_layer_computes():
     """GPU attention over CPU rows, several GPU batches: a decode pair takes the pair's link
     seconds plus the idle of the rows' two-slot ring (two attention steps and the MLP layer on the
-    GPU, less two batches' copies), where that idle is positive; more rows per batch hide it."""
+    GPU, less two batches' copies and the pair's own layer copies), where that idle is positive;
+    more rows per batch hide it. Rows on disk add their reads to the pair's link seconds."""
     from dataclasses import replace
 
     s = spec("opt-30b")
     hw = replace(h200(), host_step_s=0.0)
-    x = {"wg": 0, "wc": 1, "wd": 0, "cg": 0, "cc": 1, "cd": 0, "hg": 0, "hc": 1, "hd": 0}
+    x = {"wg": 1, "wc": 0, "wd": 0, "cg": 0, "cc": 1, "cd": 0, "hg": 0, "hc": 1, "hd": 0}
     idle = {}
     for g, n in ((8, 48), (96, 4)):
         m = CostModel(s, hw, W512, Choice(g, n, compress_weight=True, compress_cache=True))
@@ -273,13 +274,18 @@ def test_staged_cache_rows_idle_the_link_while_the_mlp_layer_computes():
         attn, mlp = t[("g", "attn")], t[("g", "mlp")]
         copy = g * (512 + 16) * m.kv / hw.ctog_bdw  # one batch's rows
         link = m.cache_pool(x, t)["ctog"]
-        idle[(g, n)] = 2 * attn["comp"] / n + mlp["comp"] - 2 * copy
+        idle[(g, n)] = 2 * attn["comp"] / n + mlp["comp"] - 2 * copy - attn["ctog"] - mlp["ctog"]
         pair = max(link + max(0.0, idle[(g, n)]), m.layer_time(attn) + m.layer_time(mlp))
         ends = sum(m.count[k] * m.layer_time(t[("g", k)]) for k in ("embed", "head"))
         assert m.evaluate(x).decode_s == pytest.approx(31 * (m.count["attn"] * pair + ends), rel=1e-9)
     assert idle[(8, 48)] > 0 > idle[(96, 4)]
     one = CostModel(s, hw, W512, Choice(64, 1, compress_weight=True, compress_cache=True))
     assert one.staged_idle(x, one.terms(x)) == 0 and one.cache_pool(x, one.terms(x)) == {}
+    m = CostModel(s, hw, W512, Choice(48, 8, compress_weight=True, compress_cache=True))
+    d = dict(x, cc=0.75, cd=0.25)
+    pool = m.cache_pool(d, m.terms(d))
+    disk = 384 * (512 + 16) * m.kv * 0.25 / hw.dtoc_bdw
+    assert pool["dtoc"] == pytest.approx(disk) and pool["ctog"] == pytest.approx(m.cache_pool(x, m.terms(x))["ctog"] + disk)
 
 
 def test_disk_rows_the_page_cache_holds_are_read_at_its_rate():
