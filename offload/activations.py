@@ -22,18 +22,19 @@ from flexoff.offload.lanes import Event, Lanes, Tracked
 from flexoff.offload.mover import Mover, Span, span_of
 from flexoff.offload.placement import TIERS, row_segments, row_split
 from flexoff.offload.tiers import Ledger
-from flexoff.policy.policy import Policy, act_load_slots
+from flexoff.policy.policy import Policy, act_load_slots, step_load_slots
 from flexoff.policy.train_cost import graph_token_elems
 
 
 def act_bytes(spec: ModelSpec, elem_bytes: int, policy: Policy, max_prompt: int) -> dict[str, int]:
     """The hidden store's homes on each tier (GPU rows: compute's tensors, kept between layers)
-    and its ring of GPU buffers that other rows load back into."""
+    and its rings of GPU buffers that other rows load back into (whole sequences, token steps)."""
     n = policy.gpu_batch_size
     split = row_split(n, policy.act_gpu_percent, policy.act_cpu_percent)
-    row = max_prompt * spec.hidden_size * elem_bytes
-    out = {t: split[t] * row * policy.num_gpu_batches for t in TIERS}
-    out["gpu"] += act_load_slots(split["gpu"] == n) * n * row
+    token = spec.hidden_size * elem_bytes
+    out = {t: split[t] * max_prompt * token * policy.num_gpu_batches for t in TIERS}
+    all_gpu = split["gpu"] == n
+    out["gpu"] += (act_load_slots(all_gpu) * max_prompt + step_load_slots(all_gpu, policy.num_gpu_batches)) * n * token
     return out
 
 
@@ -83,25 +84,37 @@ class _Slot:
     key: Hashable | None = None
 
 
+@dataclass
+class _Ring:
+    """Device buffers of `elems` elements each that loads of that size at most go into, in turn;
+    made on first use."""
+
+    count: int
+    elems: int
+    slots: list[_Slot] = field(default_factory=list)
+    next: int = 0
+
+
 class RowStore:
     """Tensors (n, s, hidden) keyed by their holder, rows split across tiers, loaded back on the
-    lane `lane` names (a lane of its own: a load waits for its ring slot's last reader, and that
-    wait must not hold up other loads), into a ring of `slots` device buffers (none: a fresh
-    tensor for each load)."""
+    lane `lane` names ("load", or "fetch": a stream of its own, not behind weight copies), into
+    a ring of `slots` device buffers, or those of at most `step_row_bytes` a row into a ring of
+    `step_slots` smaller ones (none: a fresh tensor for each load)."""
 
-    lane: Literal["hidden", "fetch"] = "hidden"
+    lane: Literal["load", "fetch"] = "load"
 
     def __init__(self, keys: Iterable[Hashable], split: dict[str, int], row_bytes: int, dtype: torch.dtype,
-                 mem: Ledger, lanes: Lanes, mover: Mover, slots: int = 0):
+                 mem: Ledger, lanes: Lanes, mover: Mover, slots: int = 0, step_slots: int = 0,
+                 step_row_bytes: int = 0):
         self.dtype, self.lanes, self.mover, self.device = dtype, lanes, mover, mem.device
         self.split = split
         self.homes = {key: {t: (mem.alloc(t, n * row_bytes), Tracked())
                             for t, n in split.items() if n > 0 and t != "gpu"} for key in keys}
         self._stored: dict[Hashable, _Stored] = {}
         self._loaded: dict[Hashable, tuple[Any, torch.Tensor, list[Event], _Slot | None]] = {}
-        self._slot_elems = sum(split.values()) * row_bytes // dtype.itemsize
-        self._ring: list[_Slot] = []
-        self._slots, self._next = slots, 0  # (a store all on the GPU never loads: no ring)
+        rows = sum(split.values())  # (a store all on the GPU never loads: no ring)
+        self._rings = [r for r in (_Ring(step_slots, rows * step_row_bytes // dtype.itemsize),
+                                   _Ring(slots, rows * row_bytes // dtype.itemsize)) if r.count > 0]
         self._taken: dict[Hashable, _Slot] = {}  # slots compute has taken, by key, until `read`
         self.unslotted = 0  # loads that found every slot holding a load not yet taken
 
@@ -138,7 +151,8 @@ class RowStore:
     def lends(self, h: torch.Tensor) -> bool:
         """Whether h is a ring slot's memory, which a later load writes over once compute has read
         it: what keeps h longer (or reads it on another lane) must keep a copy."""
-        return any(h.untyped_storage().data_ptr() == s.buf.untyped_storage().data_ptr() for s in self._ring)
+        return any(h.untyped_storage().data_ptr() == s.buf.untyped_storage().data_ptr()
+                   for r in self._rings for s in r.slots)
 
     def owned(self, h: torch.Tensor) -> torch.Tensor:
         """h, or a copy of it (made on compute) where it is a ring slot's memory: for what keeps h
@@ -187,23 +201,27 @@ class RowStore:
         self._loaded[key] = (tag, out, evs, slot)
 
     def _load_target(self, key: Hashable, shape: tuple[int, ...]) -> tuple[torch.Tensor, _Slot | None]:
-        """A device tensor for the loading stream to fill: the ring's next slot that holds no
-        load waiting to be taken, or (no ring, or every slot waiting) a fresh tensor made in the
-        loading stream's memory pool: memory freed in the compute stream's pool may still be used
-        by compute kernels queued behind the host, and a copy on another stream would race them
-        (`take` records compute's use)."""
-        if self._slots and not self._ring:  # made once; its first loads wait for compute queued now
-            self._ring = [_Slot(torch.empty(self._slot_elems, dtype=self.dtype, device=self.device))
-                          for _ in range(self._slots)]
-            for s in self._ring:
-                s.track.was_read(self.lanes.compute.mark())
-        for n in range(len(self._ring)):
-            slot = self._ring[(self._next + n) % len(self._ring)]
-            if slot.key is None:
-                self._next = (self._next + n + 1) % len(self._ring)
-                slot.key = key
-                return slot.buf[:math.prod(shape)].view(shape), slot
-        self.unslotted += bool(self._ring)
+        """A device tensor for the loading stream to fill: the next slot that holds no load
+        waiting to be taken of the first ring whose slots are large enough, or (no ring, or every
+        slot waiting) a fresh tensor made in the loading stream's memory pool: memory freed in the
+        compute stream's pool may still be used by compute kernels queued behind the host, and a
+        copy on another stream would race them (`take` records compute's use)."""
+        size = math.prod(shape)
+        for ring in self._rings:
+            if size > ring.elems:
+                continue
+            if not ring.slots:  # made once; its first loads wait for compute queued now
+                ring.slots = [_Slot(torch.empty(ring.elems, dtype=self.dtype, device=self.device))
+                              for _ in range(ring.count)]
+                for s in ring.slots:
+                    s.track.was_read(self.lanes.compute.mark())
+            for n in range(ring.count):
+                slot = ring.slots[(ring.next + n) % ring.count]
+                if slot.key is None:
+                    ring.next = (ring.next + n + 1) % ring.count
+                    slot.key = key
+                    return slot.buf[:size].view(shape), slot
+        self.unslotted += bool(self._rings)
         stream = getattr(getattr(self.lanes, self.lane), "stream", None)
         if stream is None:
             return torch.empty(shape, dtype=self.dtype, device=self.device), None
@@ -232,8 +250,9 @@ class RowStore:
             self.read(key, self.lanes.compute.mark())
         self._stored.clear()
         self._loaded.clear()
-        for slot in self._ring:
-            slot.key = None
+        for ring in self._rings:
+            for slot in ring.slots:
+                slot.key = None
 
 
 class HiddenStore(RowStore):
@@ -242,8 +261,9 @@ class HiddenStore(RowStore):
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, policy: Policy, mem: Ledger,
                  lanes: Lanes, mover: Mover, max_prompt: int):
         split = row_split(policy.gpu_batch_size, policy.act_gpu_percent, policy.act_cpu_percent)
-        super().__init__(range(policy.num_gpu_batches), split, max_prompt * spec.hidden_size * dtype.itemsize,
-                         dtype, mem, lanes, mover, act_load_slots(split["gpu"] == policy.gpu_batch_size))
+        token, all_gpu = spec.hidden_size * dtype.itemsize, split["gpu"] == policy.gpu_batch_size
+        super().__init__(range(policy.num_gpu_batches), split, max_prompt * token, dtype, mem, lanes, mover,
+                         act_load_slots(all_gpu), step_load_slots(all_gpu, policy.num_gpu_batches), token)
 
     def put(self, kb: int, j: int, h: torch.Tensor, ev: Event) -> None:  # type: ignore[override]
         """Keep the output h (n, s, hidden) of layer j for batch kb until layer j + 1; compute

@@ -190,9 +190,7 @@ def _distinct(deps: Iterable[Event]) -> list[Event]:
 class Lanes:
     """All lanes of one engine: compute, load (toward compute), weights (layers' weights toward
     compute: on CUDA a stream of its own unless copies are paced, so a weight copy waiting for its
-    slot's last reader does not hold up the KV cache and activations queued behind it), hidden
-    (hidden states toward compute, a lane of its own: each load waits for its ring slot's last
-    reader, and on the load lane that held up the KV cache rows queued behind it), fetch
+    slot's last reader does not hold up the KV cache and activations queued behind it), fetch
     (toward compute too, for a training window's stashed inputs: never queued behind a weight
     copy), store (away from it), disk read, disk write, CPU attention and a lane for its inputs
     (its thread sends its output), and (CUDA, `pace`) the feed that paces large copies onto the
@@ -207,10 +205,6 @@ class Lanes:
         self.fetch: StreamLane | ThreadLane = StreamLane("fetch", device) if self.cuda else self.load
         own = self.cuda and not pace and os.environ.get("FLEXOFF_WEIGHTS_STREAM") != "0"  # 0: as before, on load
         self.weights: StreamLane | ThreadLane = StreamLane("weights", device) if own else self.load
-        if os.environ.get("FLEXOFF_HIDDEN_STREAM") == "0":  # as before, on load (for comparisons)
-            self.hidden: StreamLane | ThreadLane = self.load
-        else:
-            self.hidden = StreamLane("hidden", device) if self.cuda else ThreadLane("hidden")
         self.disk_read = ThreadLane("disk-read")
         self.disk_write = ThreadLane("disk-write")
         self.cpu = ThreadLane("cpu-attention")
@@ -228,9 +222,9 @@ class Lanes:
         return out
 
     def _all(self) -> list:
-        """Every lane once (fetch, weights and hidden may be the load lane; feed may be absent)."""
+        """Every lane once (fetch and weights may be the load lane; feed may be absent)."""
         named = [self.load, self.store, self.disk_read, self.disk_write, self.cpu_down, self.cpu, self.feed,
-                 self.fetch, self.weights, self.hidden]
+                 self.fetch, self.weights]
         return list({id(lane): lane for lane in named if lane is not None}.values())
 
     def sync(self) -> None:

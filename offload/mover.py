@@ -65,7 +65,7 @@ class Mover:
         self._spilling: deque[Event] = deque()  # disk writes of transient tensors, oldest first
 
     def copy(self, dst: Span, src: Span, deps: Iterable[Event] = (),
-             lane: Literal["load", "weights", "hidden", "fetch", "store"] = "load", transient: bool = False) -> Event:
+             lane: Literal["load", "weights", "fetch", "store"] = "load", transient: bool = False) -> Event:
         """Copy src's bytes to dst after `deps`. `transient`: src is a compute output that lives
         only until copied; a disk write of one is started only while fewer than SPILLING others
         are unwritten (the host waits), so a disk slower than compute does not pile them up in

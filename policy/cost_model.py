@@ -40,7 +40,7 @@ from typing import Any, Mapping
 
 from flexoff.models.spec import ModelSpec
 from flexoff.policy.hardware import Hardware
-from flexoff.policy.policy import GPU_RESERVE, act_load_slots, cache_slots, weight_slots
+from flexoff.policy.policy import GPU_RESERVE, act_load_slots, cache_slots, step_load_slots, weight_slots
 from flexoff.quant.sizes import kv_config, kv_record_bytes, layer_bytes, tensor_bytes, weight_config
 
 VARS = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd")
@@ -350,12 +350,13 @@ class CostModel:
         }
 
     def load_ring_bytes(self, hg: Any) -> int:
-        """The GPU buffers a batch's CPU and disk hidden rows load back into (offload.activations):
-        for the LP always, for a concrete share unless it keeps every row on the GPU, as the
-        engine rounds rows."""
+        """The GPU buffers a batch's CPU and disk hidden rows load back into (offload.activations),
+        whole sequences and token steps: for the LP always, for a concrete share unless it keeps
+        every row on the GPU, as the engine rounds rows."""
         n = self.ch.gpu_batch_size
         all_gpu = isinstance(hg, (int, float)) and math.floor(n * hg + 0.5) >= n
-        return act_load_slots(all_gpu) * n * self.work.prompt_len * self.A
+        tokens = act_load_slots(all_gpu) * self.work.prompt_len + step_load_slots(all_gpu, self.ch.num_gpu_batches)
+        return tokens * n * self.A
 
     def slot_bytes(self, wg: Any) -> Any:
         """A GPU weight slot: the largest layer's bytes beyond its GPU share; for the LP, that

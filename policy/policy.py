@@ -39,6 +39,16 @@ def act_load_slots(all_gpu: bool) -> int:
     return 0 if all_gpu else int(os.environ.get("FLEXOFF_LOAD_SLOTS", ACT_LOAD_SLOTS))
 
 
+def step_load_slots(all_gpu: bool, num_gpu_batches: int) -> int:
+    """Device buffers of one token's rows that a GPU batch's hidden state is loaded back into in
+    token steps (a second ring, beside act_load_slots' whole-sequence one): a load into a slot
+    waits for the compute that read it last, and on the load stream that wait holds up the KV
+    cache rows queued behind it; with one batch more than a layer's, and one spare, a load waits
+    only for compute of the layer before. None where every row stays on the GPU.
+    `FLEXOFF_STEP_SLOTS` sets the count (0: token steps load into the other ring, as before)."""
+    return 0 if all_gpu else int(os.environ.get("FLEXOFF_STEP_SLOTS", num_gpu_batches + 2))
+
+
 def cache_slots(cpu_cache_compute: bool, num_gpu_batches: int) -> int:
     """GPU slots the engine loads a (layer, batch)'s staged KV rows into: two (this step's and the
     next's) where the GPU attends over CPU rows; with CPU attention only disk rows are staged (few),

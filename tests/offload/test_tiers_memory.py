@@ -81,8 +81,10 @@ def test_weights_are_placed_by_bytes_and_accounting_matches_allocation(tiny):
                 parts = ("weights", "kv cache", "buffers") + (("activations",) if tier != "gpu" else ())
                 assert alloc.used == sum(plan.parts[w][tier] for w in parts), tier
             # activation rows on the compute device are compute's own tensors, counted but not
-            # allocated; so is the ring of whole batches that the CPU rows load back into
-            assert plan.parts["activations"]["gpu"] == (2 * 2 + ACT_LOAD_SLOTS * 4) * 32 * 64 * 4
+            # allocated; so are the rings of whole batches (32 tokens) and of one token step (a slot
+            # per GPU batch and two more) that the CPU rows load back into
+            ring_tokens = ACT_LOAD_SLOTS * 32 + 2 + 2
+            assert plan.parts["activations"]["gpu"] == (2 * 2 * 32 + ring_tokens * 4) * 64 * 4
         finally:
             e.close()
 
@@ -378,8 +380,10 @@ def test_hidden_states_load_back_into_a_ring_of_device_buffers(tiny, tiny_refs, 
     compute-device buffers (on CUDA: no allocation per load in the load stream's own memory pool,
     which the compute stream cannot reuse). Each slot is loaded again only after compute has read
     it, CPU attention's deferred residual included: a ring of one, with the copy lanes running
-    concurrently, still gives transformers' tokens."""
+    concurrently, still gives transformers' tokens. Token steps load into a second ring of
+    one-token buffers, sized the same here."""
     monkeypatch.setenv("FLEXOFF_LOAD_SLOTS", str(slots))
+    monkeypatch.setenv("FLEXOFF_STEP_SLOTS", str(slots))
     taken: list[bool] = []
     stores: list[HiddenStore] = []
     real = HiddenStore.take
@@ -406,4 +410,4 @@ def test_hidden_states_load_back_into_a_ring_of_device_buffers(tiny, tiny_refs, 
                 # the next batch's (CPU attention's deferred residual may hold them all)
                 if not cpu_attn and slots >= 2:
                     assert taken and all(taken), (act, taken.count(False))
-                    assert stores[-1].unslotted == 0 and len(stores[-1]._ring) == slots
+                    assert stores[-1].unslotted == 0 and [len(r.slots) for r in stores[-1]._rings] == [slots, slots]
