@@ -50,6 +50,11 @@ CPU_LANE_SHARE = 0.9
 # the share of host memory that the CPU tier and the disk tier together may fill for the disk
 # tier's files to stay in the page cache (the rest: the process's own memory, the system's)
 PAGE_CACHE_SHARE = 0.9
+# the largest share of a decode pair that the scheduling thread's host work (the model's host
+# term) filled while it still kept the link fed: beyond it, the link waits at the cache ring for
+# steps the host has not issued yet (OPT-30B 4-bit 24x16, 16 GPU batches of 24 rows: the host
+# term 28.6 ms of a 41.3 ms pair, 0.69, the link 86% busy; 80x4 at 0.23 kept it 99% busy; H100)
+HOST_SHARE = 0.7
 KINDS = ("embed", "attn", "mlp", "head")
 
 
@@ -253,7 +258,8 @@ class CostModel:
         share: on the H200 machine that sum, at the profile's `cpu_mem_bdw`, is what OPT-30B's
         CPU-attention policies decode at (benchmarks/RESULTS.md). With the GPU attending over
         staged rows of several GPU batches (overlap on), the link and host memory terms alike.
-        Where the GPU attends over staged rows, their disk reads add to the link's time: rows load
+        The host's work for the pair's steps, which keeps the link fed only up to HOST_SHARE of
+        the pair. Where the GPU attends over staged rows, their disk reads add to the link's time: rows load
         one step ahead only, and a step's compute waits on the host for its rows' read (OPT-30B
         4-bit 48x10 with 8% of the cache on disk decoded at 0.71 of the larger of the two on
         an H100, its host blocked 18 ms a pair; benchmarks/RESULTS.md). Empty where rows are
@@ -267,7 +273,7 @@ class CostModel:
         link = attn["ctog"] + mlp["ctog"] + rows / rate
         read, sec = self.cpu_attention(x) if self.ch.cpu_cache_compute else (0, 0)
         out = {"ctog": link, "dtoc": attn["dtoc"] + mlp["dtoc"] + disk / self.dtoc_bdw,
-               "cpu_mem": (link * rate + read) / hw.cpu_mem_bdw}
+               "cpu_mem": (link * rate + read) / hw.cpu_mem_bdw, "host": (attn["host"] + mlp["host"]) / HOST_SHARE}
         if self.staged_pool:  # read one step ahead only: a step's compute waits on the host for
             out["ctog"] = link + disk / self.dtoc_bdw  # its rows' read, so reads and copies add up
         if self.cpu_pooled:

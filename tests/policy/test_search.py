@@ -288,6 +288,27 @@ def test_staged_cache_rows_idle_the_link_while_the_mlp_layer_computes():
     assert pool["dtoc"] == pytest.approx(disk) and pool["ctog"] == pytest.approx(m.cache_pool(x, m.terms(x))["ctog"] + disk)
 
 
+def test_a_pair_waits_for_the_host_beyond_its_share():
+    """The host's work for a decode pair keeps the link fed only up to HOST_SHARE of the pair:
+    a shape of many small GPU batches whose host work nears the link's time is priced by the
+    host's seconds over that share."""
+    from dataclasses import replace
+
+    from flexoff.policy.cost_model import HOST_SHARE
+
+    s = spec("opt-30b")
+    x = {"wg": 0.5, "wc": 0.5, "wd": 0, "cg": 0, "cc": 1, "cd": 0, "hg": 0, "hc": 1, "hd": 0}
+    ch = Choice(24, 16, compress_weight=True, compress_cache=True)
+    for step, host_bound in ((1e-4, False), (1.5e-3, True)):
+        hw = replace(h200(), host_step_s=step, packed_host_step_s=step)
+        m = CostModel(s, hw, W512, ch)
+        t = m.terms(x)
+        pool = m.cache_pool(x, t)
+        assert pool["host"] == pytest.approx(2 * 16 * step / HOST_SHARE)
+        assert (pool["host"] > pool["ctog"] + m.staged_idle(x, t)) == host_bound
+        assert m.pair_pool(x, t) == (("host", pool["host"]) if host_bound else ("ctog", pool["ctog"]))
+
+
 def test_disk_rows_the_page_cache_holds_are_read_at_its_rate():
     """With the page cache's read rate in the profile, a placement whose CPU and disk tiers fit
     PAGE_CACHE_SHARE of host memory reads its disk rows at that rate (the pair's disk seconds are
