@@ -50,11 +50,13 @@ CPU_LANE_SHARE = 0.9
 # the share of host memory that the CPU tier and the disk tier together may fill for the disk
 # tier's files to stay in the page cache (the rest: the process's own memory, the system's)
 PAGE_CACHE_SHARE = 0.9
-# the largest share of a decode pair that the scheduling thread's host work (the model's host
-# term) filled while it still kept the link fed: beyond it, the link waits at the cache ring for
-# steps the host has not issued yet (OPT-30B 4-bit 24x16, 16 GPU batches of 24 rows: the host
-# term 28.6 ms of a 41.3 ms pair, 0.69, the link 86% busy; 80x4 at 0.23 kept it 99% busy; H100)
-HOST_SHARE = 0.7
+# a decode pair's link seconds L and its host seconds H (the model's host term, one engine step
+# per GPU batch and layer) overlap imperfectly: the link waits at the cache ring for steps the
+# host has not issued yet, more so the nearer H comes to L. The pair takes (L^p + (w H)^p)^(1/p).
+# Fitted to OPT-30B's 4-bit decode on H100s (benchmarks/RESULTS.md): 80x4, 32x12 and 24x16, with
+# H at 0.23, 0.60 and 0.81 of L, took 1.01, 1.055 and 1.16 of L; (w, p) = (1.2, 4) gives 1.00,
+# 1.06 and 1.17
+HOST_WEIGHT, HOST_NORM = 1.2, 4
 KINDS = ("embed", "attn", "mlp", "head")
 
 
@@ -258,8 +260,8 @@ class CostModel:
         share: on the H200 machine that sum, at the profile's `cpu_mem_bdw`, is what OPT-30B's
         CPU-attention policies decode at (benchmarks/RESULTS.md). With the GPU attending over
         staged rows of several GPU batches (overlap on), the link and host memory terms alike.
-        The host's work for the pair's steps, which keeps the link fed only up to HOST_SHARE of
-        the pair. Where the GPU attends over staged rows, their disk reads add to the link's time: rows load
+        The host's work for the pair's steps (weighted by HOST_WEIGHT: for the LP, a bound the pair
+        keeps; pair_pool combines it with the link's). Where the GPU attends over staged rows, their disk reads add to the link's time: rows load
         one step ahead only, and a step's compute waits on the host for its rows' read (OPT-30B
         4-bit 48x10 with 8% of the cache on disk decoded at 0.71 of the larger of the two on
         an H100, its host blocked 18 ms a pair; benchmarks/RESULTS.md). Empty where rows are
@@ -273,7 +275,7 @@ class CostModel:
         link = attn["ctog"] + mlp["ctog"] + rows / rate
         read, sec = self.cpu_attention(x) if self.ch.cpu_cache_compute else (0, 0)
         out = {"ctog": link, "dtoc": attn["dtoc"] + mlp["dtoc"] + disk / self.dtoc_bdw,
-               "cpu_mem": (link * rate + read) / hw.cpu_mem_bdw, "host": (attn["host"] + mlp["host"]) / HOST_SHARE}
+               "cpu_mem": (link * rate + read) / hw.cpu_mem_bdw, "host": HOST_WEIGHT * (attn["host"] + mlp["host"])}
         if self.staged_pool:  # read one step ahead only: a step's compute waits on the host for
             out["ctog"] = link + disk / self.dtoc_bdw  # its rows' read, so reads and copies add up
         if self.cpu_pooled:
@@ -305,10 +307,12 @@ class CostModel:
 
     def pair_pool(self, x: Mapping[str, float], terms: Mapping[tuple[str, str], Mapping[str, float]]) -> tuple[str, float]:
         """A concrete placement's largest shared term of a decode pair, by name: cache_pool's,
-        the link's with the staged rows' idle added; ("", 0) where none applies."""
+        the link's with the staged rows' idle added and combined with the host's as the
+        HOST_NORM-norm of the two (named after the larger); ("", 0) where none applies."""
         pool = dict(self.cache_pool(x, terms))
         if "ctog" in pool:
-            pool["ctog"] += self.staged_idle(x, terms)
+            link, host = pool["ctog"] + self.staged_idle(x, terms), pool.pop("host", 0.0)
+            pool["host" if host > link else "ctog"] = (link ** HOST_NORM + host ** HOST_NORM) ** (1 / HOST_NORM)
         return max(pool.items(), key=lambda kv: kv[1], default=("", 0.0))
 
     def pooled_traffic(self, x: Mapping[str, Any]) -> Any:

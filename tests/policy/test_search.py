@@ -288,25 +288,30 @@ def test_staged_cache_rows_idle_the_link_while_the_mlp_layer_computes():
     assert pool["dtoc"] == pytest.approx(disk) and pool["ctog"] == pytest.approx(m.cache_pool(x, m.terms(x))["ctog"] + disk)
 
 
-def test_a_pair_waits_for_the_host_beyond_its_share():
-    """The host's work for a decode pair keeps the link fed only up to HOST_SHARE of the pair:
-    a shape of many small GPU batches whose host work nears the link's time is priced by the
-    host's seconds over that share."""
+def test_a_pairs_host_work_and_link_combine_as_a_norm():
+    """A decode pair's link seconds and its host seconds (weighted) combine as a HOST_NORM-norm:
+    a shape whose host work is small is priced by its link, one of many small GPU batches whose
+    host work nears the link's time takes longer than either, and the larger names the pair's
+    bottleneck. The LP keeps the weighted host seconds as a bound."""
     from dataclasses import replace
 
-    from flexoff.policy.cost_model import HOST_SHARE
+    from flexoff.policy.cost_model import HOST_NORM, HOST_WEIGHT
 
     s = spec("opt-30b")
     x = {"wg": 0.5, "wc": 0.5, "wd": 0, "cg": 0, "cc": 1, "cd": 0, "hg": 0, "hc": 1, "hd": 0}
     ch = Choice(24, 16, compress_weight=True, compress_cache=True)
-    for step, host_bound in ((1e-4, False), (1.5e-3, True)):
+    for step in (1e-5, 8e-4, 2e-3):
         hw = replace(h200(), host_step_s=step, packed_host_step_s=step)
         m = CostModel(s, hw, W512, ch)
         t = m.terms(x)
         pool = m.cache_pool(x, t)
-        assert pool["host"] == pytest.approx(2 * 16 * step / HOST_SHARE)
-        assert (pool["host"] > pool["ctog"] + m.staged_idle(x, t)) == host_bound
-        assert m.pair_pool(x, t) == (("host", pool["host"]) if host_bound else ("ctog", pool["ctog"]))
+        host, link = pool["host"], pool["ctog"] + m.staged_idle(x, t)
+        assert host == pytest.approx(HOST_WEIGHT * 2 * 16 * step)
+        name, both = m.pair_pool(x, t)
+        assert both == pytest.approx((link ** HOST_NORM + host ** HOST_NORM) ** (1 / HOST_NORM))
+        assert name == ("host" if host > link else "ctog") and both >= max(host, link)
+        if step == 1e-5:
+            assert both == pytest.approx(link, rel=1e-6)
 
 
 def test_disk_rows_the_page_cache_holds_are_read_at_its_rate():
