@@ -25,7 +25,7 @@ Names follow the FlexGen paper:
 | cpu_flops, cpu_attn_bdw | CPU attention FLOP/s, and the KV bytes/s it reads |
 | cpu_mem_bdw | host memory bytes/s that the link's copies and CPU attention's reads share (decode pairs with CPU attention; not in FlexGen) |
 | ctog, gtoc, dtoc, ctod, comp | a layer's seconds of each transfer, and of compute |
-| host, host_step_s, packed_host_step_s, lora_host_step_s | a layer's seconds of host work: one engine step per GPU batch (with 4-bit weights, the packed step), and what LoRA adds to a step (not in FlexGen) |
+| host, host_step_s, packed_host_step_s, lora_host_step_s | a layer's seconds of host work: one engine step per GPU batch (with 4-bit weights, the packed step), and what LoRA adds to a step; over a decode pair, combined with the link's seconds as a norm (HOST_WEIGHT, HOST_NORM) (not in FlexGen) |
 | lora_W, lora_F | LoRA: bytes of the adapters a block uses on every linear, and delta FLOPs per token (not in FlexGen); held on the GPU beside resident weights, else paged with each layer's weights (link traffic, a page per weight slot); every adapter of the job also in host memory |
 | T_pre, T_gen | a layer's prefill time, and its average decode time per token |
 | T | block latency: sum over layers of T_pre + (n - 1) T_gen |
@@ -260,12 +260,13 @@ class CostModel:
         share: on the H200 machine that sum, at the profile's `cpu_mem_bdw`, is what OPT-30B's
         CPU-attention policies decode at (benchmarks/RESULTS.md). With the GPU attending over
         staged rows of several GPU batches (overlap on), the link and host memory terms alike.
-        The host's work for the pair's steps (weighted by HOST_WEIGHT: for the LP, a bound the pair
-        keeps; pair_pool combines it with the link's). Where the GPU attends over staged rows, their disk reads add to the link's time: rows load
-        one step ahead only, and a step's compute waits on the host for its rows' read (OPT-30B
-        4-bit 48x10 with 8% of the cache on disk decoded at 0.71 of the larger of the two on
-        an H100, its host blocked 18 ms a pair; benchmarks/RESULTS.md). Empty where rows are
-        not priced over the pair."""
+        The host's work for the pair's steps, weighted by HOST_WEIGHT (for the LP a bound the
+        pair keeps; pair_pool combines it with the link's). Where the GPU attends over staged
+        rows, their disk reads add to the link's time: rows load one step ahead only, and a
+        step's compute waits on the host for its rows' read (OPT-30B 4-bit 48x10 with 8% of the
+        cache on disk decoded its pairs at 0.70 of the larger of the two on an H100, its host
+        blocked 18 ms a pair; benchmarks/RESULTS.md). Empty where rows are not priced over the
+        pair."""
         if not self.pooled:
             return {}
         hw = self.hw

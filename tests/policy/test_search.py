@@ -292,7 +292,7 @@ def test_a_pairs_host_work_and_link_combine_as_a_norm():
     """A decode pair's link seconds and its host seconds (weighted) combine as a HOST_NORM-norm:
     a shape whose host work is small is priced by its link, one of many small GPU batches whose
     host work nears the link's time takes longer than either, and the larger names the pair's
-    bottleneck. The LP keeps the weighted host seconds as a bound."""
+    bottleneck. cache_pool gives the LP the weighted host seconds as a bound."""
     from dataclasses import replace
 
     from flexoff.policy.cost_model import HOST_NORM, HOST_WEIGHT
