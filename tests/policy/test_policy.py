@@ -8,7 +8,7 @@ import pytest
 
 from flexoff.cli import build_policy
 from flexoff.errors import PolicyError
-from flexoff.policy.policy import Policy
+from flexoff.policy.policy import PERCENT_FIELDS, Policy
 
 
 def test_json_round_trip(tmp_path):
@@ -31,6 +31,17 @@ def test_json_round_trip(tmp_path):
 def test_invalid_values_are_policy_errors(kw, msg):
     with pytest.raises(PolicyError, match=msg):
         Policy(**kw)
+
+
+def test_a_described_policy_parses_back():
+    """Percentages as describe() prints them (six significant digits) may sum a little over 100:
+    the policy a search printed is accepted as written, with nothing on the disk."""
+    p = Policy(gpu_batch_size=48, num_gpu_batches=8, w_gpu_percent=39.3, w_cpu_percent=60.7, cache_gpu_percent=0,
+               cache_cpu_percent=100, act_gpu_percent=100 / 48, act_cpu_percent=100 - 100 / 48)
+    printed = p.describe().split("(")[1].split(")")[0].split(", ")
+    assert printed[4:] == ["2.08333", "97.9167"]
+    again = Policy(gpu_batch_size=48, num_gpu_batches=8, **dict(zip(PERCENT_FIELDS, map(float, printed))))
+    assert again.act_disk_percent == 0 and again.w_disk_percent == 0
 
 
 def test_unknown_fields_and_bad_files(tmp_path):
