@@ -6,7 +6,8 @@
 The policy runs once to set up (weights placed, buffers pinned), then once more under the profiler.
 Over the decode window (from the end of the prefill's token step to the last event; with `--window
 prefill`, up to it) it reports how busy each direction of the host-device link, each GPU stream and
-each CPU thread was, the longest gaps in host-to-device copies, how long each stream's copies
+each CPU thread was, the longest gaps in host-to-device copies (with the copy that ended each, how
+long it had been queued, and the GPU's kernel time in the gap), how long each stream's copies
 waited to start, the CUDA runtime calls that took the host the most time, the kernels that took
 the most GPU time, and kernels per engine step (a layer of a GPU batch). `--layers N` cuts the
 model to its first N blocks. Writes OUT/trace-summary.json and, when small enough, OUT/trace.json.gz,
@@ -56,8 +57,7 @@ def busy(spans: list[tuple[float, float]]) -> float:
 def summarize(trace: dict[str, Any], window: str = "decode") -> dict[str, Any]:
     """Busy fractions per link direction, GPU stream and CPU thread over the window (decode: from
     the end of the prefill's token step to the last event; prefill: up to that end), the longest
-    host-to-device idle gaps (microseconds, from the window's start) and the GPU kernels that
-    took the most time in it."""
+    host-to-device idle gaps (h2d_gaps) and the GPU kernels that took the most time in it."""
     events = trace.get("traceEvents", [])
     names = {e["tid"]: e["args"]["name"] for e in events
              if e.get("ph") == "M" and e.get("name") == "thread_name" and "args" in e}
@@ -87,8 +87,7 @@ def summarize(trace: dict[str, Any], window: str = "decode") -> dict[str, Any]:
         groups.setdefault(key, []).append((e["ts"], e["ts"] + e["dur"]))
     rows = [{"what": k, "busy": busy(clip(v, lo, hi)) / width, "events": len(clip(v, lo, hi))}
             for k, v in sorted(groups.items())]
-    h2d = union(clip(groups.get("link host to device", []), lo, hi))
-    gaps = sorted(((b[0] - a[1], a[1] - lo) for a, b in zip(h2d, h2d[1:])), reverse=True)[:10]
+    gaps = h2d_gaps(spans, events, lo, hi)
     kernels: dict[str, float] = {}
     launched = 0
     for e in spans:
@@ -99,9 +98,34 @@ def summarize(trace: dict[str, Any], window: str = "decode") -> dict[str, Any]:
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:15]
     return {"window": window, "window_us": width, "rows": rows, "runtime_calls": runtime_calls(spans, lo, hi),
             "kernels": launched, "kernel_us": sum(kernels.values()),
-            "h2d_gaps_us": [{"gap": g, "at": at} for g, at in gaps],
+            "h2d_gaps_us": gaps,
             "copy_waits_us": copy_waits(events, lo, hi),
             "kernels_us": [{"kernel": k, "us": v, "share": v / width} for k, v in top]}
+
+
+def h2d_gaps(spans: list[dict[str, Any]], events: list[dict[str, Any]], lo: float, hi: float,
+             top: int = 10) -> list[dict[str, Any]]:
+    """The longest idle stretches of host-to-device copies in the window, longest first: how long
+    (`gap`) and when (`at`, from the window's start), the copy that ended it (its stream and
+    bytes, and how long it had been queued: from the host's call to its start, where the trace
+    matches them), and the GPU's kernel time within the gap. A copy queued long before shows a
+    copy held up on its stream or by an event; one just queued, a host that was not ahead."""
+    copies = sorted((e for e in spans if e.get("cat") == "gpu_memcpy" and "HtoD" in str(e.get("name", ""))
+                     and e["ts"] + e["dur"] > lo and e["ts"] < hi), key=lambda e: e["ts"])
+    calls = {e["args"]["correlation"]: e for e in events
+             if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    kernels = [(e["ts"], e["ts"] + e["dur"]) for e in spans if e.get("cat") == "kernel"]
+    out, end = [], None
+    for e in copies:
+        if end is not None and e["ts"] > end:
+            args = e.get("args", {})
+            call = calls.get(args.get("correlation"))
+            out.append({"gap": e["ts"] - end, "at": end - lo, "next_stream": args.get("stream", e.get("tid")),
+                        "next_bytes": args.get("bytes"),
+                        "next_queued": e["ts"] - (call["ts"] + call["dur"]) if call else None,
+                        "kernel_us": busy(clip(kernels, end, e["ts"]))})
+        end = max(end if end is not None else e["ts"], e["ts"] + e["dur"])
+    return sorted(out, key=lambda g: -g["gap"])[:top]
 
 
 def runtime_calls(spans: list[dict[str, Any]], lo: float, hi: float, top: int = 12) -> list[dict[str, Any]]:
@@ -222,7 +246,7 @@ def main() -> int:
           f"{summary.get('kernels_per_step', 0):.1f} kernels and {summary.get('kernel_us_per_step', 0):.0f} us of",
           "them per engine step;", ", ".join(f"{k} {v:.3g}" for k, v in allocator.items()))
     print(table(summary.get("rows", []), ["what", "busy", "events"]))
-    print(table(summary.get("h2d_gaps_us", []), ["gap", "at"]))
+    print(table(summary.get("h2d_gaps_us", []), ["gap", "at", "next_stream", "next_bytes", "next_queued", "kernel_us"]))
     print(table(summary.get("runtime_calls", []), ["call", "count", "total_us", "max_us"]))
     print(table(summary.get("copy_waits_us", []), ["stream", "copy", "copies", "median", "mean", "max"]))
     print(table(summary.get("kernels_us", []), ["kernel", "us", "share"]))

@@ -22,9 +22,12 @@ def test_summary_counts_busy_time_and_gaps_in_the_decode_window():
         x("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 100, 30),
         x("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 120, 30),  # overlaps: 100..150
         x("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 170, 10),  # gap 20
-        x("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 240, 60),  # gap 60; window ends at 300
+        x("cuda_runtime", "cudaMemcpyAsync", 140, 5, correlation=4),
+        x("gpu_memcpy", "Memcpy HtoD (Pinned -> Device)", 240, 60, stream=13, bytes=512, correlation=4),  # gap 60
+        # (the window ends at 300)
         x("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 150, 20),
         x("kernel", "gemm", 110, 40, tid=7, stream=7),
+        x("kernel", "attn", 190, 30, tid=7, stream=7),  # inside the gap of 60
         x("user_annotation", "flexoff lane: cpu-attention", 120, 100, tid=3),
         x("cpu_op", "aten::bmm", 130, 50, tid=3),
     ]}
@@ -33,13 +36,18 @@ def test_summary_counts_busy_time_and_gaps_in_the_decode_window():
     assert s["window_us"] == pytest.approx(200)
     assert rows["link host to device"]["busy"] == pytest.approx((50 + 10 + 60) / 200)
     assert rows["link device to host"]["busy"] == pytest.approx(20 / 200)
-    assert rows["GPU stream 7"]["busy"] == pytest.approx(40 / 200)
+    assert rows["GPU stream 7"]["busy"] == pytest.approx(70 / 200)
     assert rows["lane cpu-attention"]["busy"] == pytest.approx(100 / 200)
     assert rows["CPU thread cpu-attention"]["busy"] == pytest.approx(50 / 200)  # named by its lane
     assert [g["gap"] for g in s["h2d_gaps_us"]] == [60, 20]
     assert s["h2d_gaps_us"][0]["at"] == pytest.approx(80)
-    assert s["kernels_us"] == [{"kernel": "gemm", "us": 40, "share": pytest.approx(40 / 200)}]
-    assert per_step(s, 4) == {"steps": 4, "kernels_per_step": 0.25, "kernel_us_per_step": 10}
+    # the copy that ended the gap: its stream, bytes, and 95 us queued after its host call; a kernel ran in it
+    assert {k: s["h2d_gaps_us"][0][k] for k in ("next_stream", "next_bytes", "next_queued", "kernel_us")} == \
+        {"next_stream": 13, "next_bytes": 512, "next_queued": 95, "kernel_us": 30}
+    assert s["h2d_gaps_us"][1]["next_queued"] is None and s["h2d_gaps_us"][1]["kernel_us"] == 0
+    assert s["kernels_us"] == [{"kernel": "gemm", "us": 40, "share": pytest.approx(40 / 200)},
+                               {"kernel": "attn", "us": 30, "share": pytest.approx(30 / 200)}]
+    assert per_step(s, 4) == {"steps": 4, "kernels_per_step": 0.5, "kernel_us_per_step": 17.5}
     kept = slim(trace)["traceEvents"]  # the device side, names and marks; no host ops
     assert [e["name"] for e in kept if e.get("cat") == "cpu_op"] == ["flexoff: token step 0 issued"]
     assert sum(e.get("cat") == "gpu_memcpy" for e in kept) == 6 and any(e.get("cat") == "kernel" for e in kept)
