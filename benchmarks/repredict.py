@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from flexoff.policy.policy import Policy
 
     default = hardware.load(args.hardware)
-    profiles = functools.cache(lambda path: hardware.load(path))  # each file read once
+    profiles = functools.cache(hardware.load)  # each file read once
     specs = functools.cache(lambda name: load_model(name).spec)
     rows: list[dict[str, Any]] = []
     for path in args.records:

@@ -97,14 +97,7 @@ class Bench:
             return None
         try:
             try:
-                if self.warmup == "each" or (self.warmup == "first" and not self.warmed):
-                    # kernels compiled and tuned for the policy's shapes, buffers made, memory touched
-                    short = gen_len if self.warmup == "each" else min(gen_len, WARMUP_TOKENS)
-                    first = self._measure(f"{label} warm-up", policy, prompt_len, short, num_prompts, "warm-up")
-                    self.warmed = True
-                    if self.out is not None:  # recorded apart: how a process's first run differs
-                        write_jsonl(self.out / "warmups.jsonl", [first])
-                rec = self._measure(label, policy, prompt_len, gen_len, num_prompts, kind)
+                rec = self._warm_and_measure(label, policy, prompt_len, gen_len, num_prompts, kind)
             except GpuOutOfMemoryError:
                 if policy not in self.searched:
                     raise
@@ -137,12 +130,25 @@ class Bench:
                   f"{self.llm.gpu_margin / 2**30:.1f} GiB less", file=sys.stderr, flush=True)
             failed, policy = policy.describe(), self.searched[policy]()
             try:
-                rec = self._measure(label, policy, prompt_len, gen_len, num_prompts, kind)
+                rec = self._warm_and_measure(label, policy, prompt_len, gen_len, num_prompts, kind)
                 return dict(rec, out_of_memory_first=failed, gpu_margin=self.llm.gpu_margin)
             except GpuOutOfMemoryError:
                 if attempt == OOM_RETRIES - 1:
                     raise
         raise AssertionError("unreachable")
+
+    def _warm_and_measure(self, label: str, policy: Any, prompt_len: int, gen_len: int, num_prompts: int | None,
+                          kind: str) -> dict[str, Any]:
+        """The measured run, after the warm-up `--warmup` asks for (of the policy that runs: a
+        searched one that ran out of GPU memory warms up its replacement)."""
+        if self.warmup == "each" or (self.warmup == "first" and not self.warmed):
+            # kernels compiled and tuned for the policy's shapes, buffers made, memory touched
+            short = gen_len if self.warmup == "each" else min(gen_len, WARMUP_TOKENS)
+            first = self._measure(f"{label} warm-up", policy, prompt_len, short, num_prompts, "warm-up")
+            self.warmed = True
+            if self.out is not None:  # recorded apart: how a process's first run differs
+                write_jsonl(self.out / "warmups.jsonl", [first])
+        return self._measure(label, policy, prompt_len, gen_len, num_prompts, kind)
 
     def _measure(self, label: str, policy: Any, prompt_len: int, gen_len: int, num_prompts: int | None,
                  kind: str) -> dict[str, Any]:

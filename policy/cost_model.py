@@ -274,11 +274,10 @@ class CostModel:
         attn, mlp = terms[("g", "attn")], terms[("g", "mlp")]
         rate = hw.decode_link_bdw()
         link = attn["ctog"] + mlp["ctog"] + rows / rate
+        reads = disk / self.dtoc_bdw  # under GPU attention read one step ahead: added to the link's
         read, sec = self.cpu_attention(x) if self.ch.cpu_cache_compute else (0, 0)
-        out = {"ctog": link, "dtoc": attn["dtoc"] + mlp["dtoc"] + disk / self.dtoc_bdw,
+        out = {"ctog": link + (reads if self.staged_pool else 0), "dtoc": attn["dtoc"] + mlp["dtoc"] + reads,
                "cpu_mem": (link * rate + read) / hw.cpu_mem_bdw, "host": HOST_WEIGHT * (attn["host"] + mlp["host"])}
-        if self.staged_pool:  # read one step ahead only: a step's compute waits on the host for
-            out["ctog"] = link + disk / self.dtoc_bdw  # its rows' read, so reads and copies add up
         if self.cpu_pooled:
             out["cpu_comp"] = sec / CPU_LANE_SHARE
         return out
