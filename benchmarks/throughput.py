@@ -131,7 +131,7 @@ class Bench:
             failed, policy = policy.describe(), self.searched[policy]()
             try:
                 rec = self._warm_and_measure(label, policy, prompt_len, gen_len, num_prompts, kind)
-                return dict(rec, out_of_memory_first=failed, gpu_margin=self.llm.gpu_margin)
+                return dict(rec, out_of_memory_first=failed, gpu_margin=self.llm.gpu_margin, oom=self.llm.last_oom)
             except GpuOutOfMemoryError:
                 if attempt == OOM_RETRIES - 1:
                     raise

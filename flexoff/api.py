@@ -24,6 +24,7 @@ from flexoff.errors import FlexoffError, GpuOutOfMemoryError, InputError
 from flexoff.generation import Completion, Request, RunStats, plan_blocks, run_block
 from flexoff.parallel import World
 from flexoff.offload.engine import Engine
+from flexoff.offload.memory import oom_record
 from flexoff.offload.adapters import AdapterPool, Need
 from flexoff.offload.pipeline import heaviest_stage, stage_layers, stage_spec
 from flexoff.offload.residency import Residency
@@ -170,6 +171,7 @@ class LLM:
         self.hardware = hardware
         self.last_policy: Policy | None = None
         self.gpu_margin = 0  # GPU bytes --policy auto leaves unplanned, raised after running out
+        self.last_oom: dict[str, Any] | None = None  # what the GPU's last running out looked like
         self.compression = compression  # what --policy auto may use: off / on / auto, weights and cache
         self.engine: Engine | None = None
         # --policy auto for training: micro-batch -> (longest window planned, policy, prediction)
@@ -503,7 +505,8 @@ class LLM:
                         bar.update(len(block))
                         bar.set_postfix_str(f"{stats.generation_throughput:.1f} tok/s")
                     break
-                except torch.OutOfMemoryError:
+                except torch.OutOfMemoryError as e:
+                    self.last_oom = oom_record(e, policy, self.device)
                     policy = self.last_policy = self._after_oom(policy, todo, attempt)
         finally:
             bar.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import traceback
 from pathlib import Path
 from dataclasses import dataclass, field
 
@@ -130,3 +131,19 @@ def check(plan: MemoryPlan, budgets: Budgets, device: torch.device, offload_dir:
             raise MemoryBudgetError(
                 f"policy needs {need / GiB:.2f} GiB of host memory but {have['cpu'] / GiB:.2f} GiB is free; "
                 "put more on disk or use a smaller batch")
+
+
+def oom_record(e: BaseException, policy: Policy, device: torch.device) -> dict[str, object]:
+    """What running out of GPU memory looked like, for benchmarks' records: the policy, torch's
+    message, the allocator's state while the failing step's tensors are still alive, and the
+    innermost flexoff frames (which step allocated)."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if "site-packages" not in f.filename and "/torch/" not in f.filename]
+    rec: dict[str, object] = {"policy": policy.describe(), "message": " ".join(str(e).split())[:600],
+                              "frames": [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in frames[-5:]]}
+    if device.type == "cuda":
+        rec.update({k: round(v / GiB, 3) for k, v in (
+            ("allocated_GiB", torch.cuda.memory_allocated(device)), ("reserved_GiB", torch.cuda.memory_reserved(device)),
+            ("peak_allocated_GiB", torch.cuda.max_memory_allocated(device)),
+            ("peak_reserved_GiB", torch.cuda.max_memory_reserved(device)))})
+    return rec

@@ -159,6 +159,9 @@ def test_auto_policy_searches_again_after_the_gpu_runs_out(tiny, tiny_refs, tmp_
              cpu_mem=1 << 30) as llm:
         out = llm.generate([{"prompt_ids": p} for p in PROMPTS], max_new_tokens=8)
         assert llm.gpu_margin == api.oom_step(gpu_mem)
+        oom = llm.last_oom  # what ran out is recorded: the policy, torch's message, the failing frame
+        assert oom["policy"] == calls[0].describe() and oom["message"] == "CUDA out of memory (simulated)"
+        assert oom["frames"][-1].endswith("fails_once")
     assert len(calls) >= 2 and out.policy == calls[-1]
     assert [c.token_ids for c in out.completions] == [r for r, _ in tiny_refs["llama"]]
 
