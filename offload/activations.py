@@ -22,13 +22,14 @@ from flexoff.offload.lanes import Event, Lanes, Tracked
 from flexoff.offload.mover import Mover, Span, span_of
 from flexoff.offload.placement import TIERS, row_segments, row_split
 from flexoff.offload.tiers import Ledger
-from flexoff.policy.policy import Policy, act_load_slots, step_load_slots
+from flexoff.policy.policy import Policy, act_load_slots, keeps_token_steps, step_load_slots
 from flexoff.policy.train_cost import graph_token_elems
 
 
 def act_bytes(spec: ModelSpec, elem_bytes: int, policy: Policy, max_prompt: int) -> dict[str, int]:
     """The hidden store's homes on each tier (GPU rows: compute's tensors, kept between layers)
-    and its rings of GPU buffers that other rows load back into (whole sequences, token steps)."""
+    and its rings of GPU buffers that other rows load back into (whole sequences, token steps;
+    the token steps' ring, or the token outputs kept whole on the GPU in its place)."""
     n = policy.gpu_batch_size
     split = row_split(n, policy.act_gpu_percent, policy.act_cpu_percent)
     token = spec.hidden_size * elem_bytes
@@ -72,6 +73,7 @@ class _Stored:
     gpu: torch.Tensor | None  # rows kept on the compute device
     ev: Event  # compute that produced it
     homes: dict[str, Any] = field(default_factory=dict)
+    whole: bool = False  # every row kept on the compute device (`gpu`), whatever the split
 
 
 @dataclass
@@ -99,14 +101,16 @@ class RowStore:
     """Tensors (n, s, hidden) keyed by their holder, rows split across tiers, loaded back on the
     lane `lane` names ("load", or "fetch": a stream of its own, not behind weight copies), into
     a ring of `slots` device buffers, or those of at most `step_row_bytes` a row into a ring of
-    `step_slots` smaller ones (none: a fresh tensor for each load)."""
+    `step_slots` smaller ones (none: a fresh tensor for each load); with `keep_steps`, those are
+    kept whole on the compute device instead, never stored or loaded."""
 
     lane: Literal["load", "fetch"] = "load"
 
     def __init__(self, keys: Iterable[Hashable], split: dict[str, int], row_bytes: int, dtype: torch.dtype,
                  mem: Ledger, lanes: Lanes, mover: Mover, slots: int = 0, step_slots: int = 0,
-                 step_row_bytes: int = 0):
+                 step_row_bytes: int = 0, keep_steps: bool = False):
         self.dtype, self.lanes, self.mover, self.device = dtype, lanes, mover, mem.device
+        self.keep_row_elems = step_row_bytes // dtype.itemsize if keep_steps else 0
         self.split = split
         self.homes = {key: {t: (mem.alloc(t, n * row_bytes), Tracked())
                             for t, n in split.items() if n > 0 and t != "gpu"} for key in keys}
@@ -128,7 +132,9 @@ class RowStore:
         h, ev = self._own(h, ev)
         self.read(key, ev)
         st = _Stored(tag, tuple(h.shape), None, ev)
-        for tier, r0, r1 in row_segments(h.shape[0], self.split):
+        if h.shape[0] and h[0].numel() <= self.keep_row_elems:  # a token step's: kept whole
+            st.gpu, st.whole = h, True
+        for tier, r0, r1 in row_segments(h.shape[0], self.split) if not st.whole else ():
             if tier == "gpu":
                 st.gpu = h[r0:r1] if r1 - r0 < h.shape[0] else h
                 continue
@@ -181,7 +187,7 @@ class RowStore:
         """Start assembling the tensor under key, which must be `tag`, on the compute device."""
         st = self._stored[key]
         assert st.tag == tag, f"{key}: holds {st.tag}, {tag} was asked for"
-        if key in self._loaded or self.all_gpu:
+        if key in self._loaded or self.all_gpu or st.whole:
             return
         out, slot = self._load_target(key, st.shape)
         free = slot.track.claim() if slot is not None else []  # the slot's last load and reads
@@ -230,8 +236,8 @@ class RowStore:
 
     def take(self, key: Hashable, tag: Any) -> tuple[torch.Tensor, list[Event]]:
         """The tensor under key (which must be `tag`) and the events compute must wait for."""
-        if self.all_gpu:
-            st = self._stored[key]
+        st = self._stored[key]
+        if self.all_gpu or st.whole:
             assert st.tag == tag, f"{key}: holds {st.tag}, {tag} was asked for"
             return st.gpu, []  # made on the compute stream, which reads it
         RowStore.prefetch(self, key, tag)  # the keyed form, not a subclass's
@@ -262,8 +268,10 @@ class HiddenStore(RowStore):
                  lanes: Lanes, mover: Mover, max_prompt: int):
         split = row_split(policy.gpu_batch_size, policy.act_gpu_percent, policy.act_cpu_percent)
         token, all_gpu = spec.hidden_size * dtype.itemsize, split["gpu"] == policy.gpu_batch_size
+        keep = keeps_token_steps()
         super().__init__(range(policy.num_gpu_batches), split, max_prompt * token, dtype, mem, lanes, mover,
-                         act_load_slots(all_gpu), step_load_slots(all_gpu, policy.num_gpu_batches), token)
+                         act_load_slots(all_gpu), 0 if keep else step_load_slots(all_gpu, policy.num_gpu_batches),
+                         token, keep)
 
     def put(self, kb: int, j: int, h: torch.Tensor, ev: Event) -> None:  # type: ignore[override]
         """Keep the output h (n, s, hidden) of layer j for batch kb until layer j + 1; compute

@@ -40,7 +40,8 @@ from typing import Any, Mapping
 
 from flexoff.models.spec import ModelSpec
 from flexoff.policy.hardware import Hardware
-from flexoff.policy.policy import GPU_RESERVE, act_load_slots, cache_slots, step_load_slots, weight_slots
+from flexoff.policy.policy import (GPU_RESERVE, act_load_slots, cache_slots, keeps_token_steps, step_load_slots,
+                                   weight_slots)
 from flexoff.quant.sizes import kv_config, kv_record_bytes, layer_bytes, tensor_bytes, weight_config
 
 VARS = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd")
@@ -135,6 +136,7 @@ class CostModel:
         self.kv = kv_record_bytes(spec.num_kv_heads, spec.head_dim, eb, kq)  # stored, per token per layer
         self.kv_dense = kv_record_bytes(spec.num_kv_heads, spec.head_dim, eb)
         self.A = spec.hidden_size * eb  # activation bytes per token
+        self.keep_steps = keeps_token_steps()  # token steps' hidden states stay on the GPU: none move
         self.Q = spec.num_heads * spec.head_dim * eb  # query / attention output bytes per token
         self.W_total = sum(self.count[k] * self.W[k] for k in KINDS)
         self.W_max = max(self.W.values())
@@ -195,7 +197,7 @@ class CostModel:
             deq_w = Wd / hw.dequant_bdw if ch.compress_weight else 0
             for stage in ("p", "g"):
                 tok = s if stage == "p" else 1  # tokens per sequence this step
-                act = bls * tok * self.A
+                act = 0.0 if stage == "g" and self.keep_steps else bls * tok * self.A
                 link = hw.ctog_bdw if stage == "p" else hw.decode_link_bdw()
                 t = {  # streamed weights bring the block's LoRA pages of the layer along
                     "ctog": ((x["wc"] + x["wd"]) * (W + self.lora_layer[k]) + (x["hc"] + x["hd"]) * act * h_in)

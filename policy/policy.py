@@ -53,6 +53,16 @@ def step_load_slots(all_gpu: bool, num_gpu_batches: int) -> int:
     return 0 if all_gpu else int(os.environ.get("FLEXOFF_STEP_SLOTS", num_gpu_batches + 2))
 
 
+def keeps_token_steps() -> bool:
+    """Whether a token step's hidden state (one token's rows, a few MB for a block) stays whole on
+    the compute device between layers, whatever the activations' placement, rather than going to
+    its CPU and disk rows and loading back: the load waited for the store of an output compute had
+    just made, and held up the cache and weight copies queued behind it on the load stream.
+    The step ring (step_load_slots) is then unused; its room covers the kept outputs.
+    `FLEXOFF_KEEP_STEPS=0` stores and loads them as the placement says."""
+    return os.environ.get("FLEXOFF_KEEP_STEPS", "1") != "0"
+
+
 def cache_slots(cpu_cache_compute: bool, num_gpu_batches: int) -> int:
     """GPU slots the engine loads a (layer, batch)'s staged KV rows into: two (this step's and the
     next's) where the GPU attends over CPU rows; with CPU attention only disk rows are staged (few),

@@ -284,7 +284,8 @@ def search_training(spec: ModelSpec, hw: Hardware, seq_len: int, batch: int, bud
 def _fit_slots(model: CostModel, x: dict[str, float], budget: Budget) -> dict[str, float]:
     """The LP's fractions with weights moved from the GPU to the CPU until the GPU slots, staged
     from whole tensors as the engine stages them (the LP counts only the bytes beyond the GPU
-    share), fit the GPU budget."""
+    share), fit the GPU budget; and from the CPU to the disk where the CPU has no room for them
+    (the LP may have filled it)."""
     for _ in range(4):
         over = model.memory(x)["gpu"] - budget.gpu
         if over <= 0 or x["wg"] <= 0:
@@ -292,4 +293,8 @@ def _fit_slots(model: CostModel, x: dict[str, float], budget: Budget) -> dict[st
         freed = max(model.W_total - model.slots * model.W_max, 1.0)  # GPU bytes per unit of wg moved
         d = min(x["wg"], over / freed + 1e-3)
         x = {**x, "wg": x["wg"] - d, "wc": x["wc"] + d}
+        over_cpu = model.memory(x)["cpu"] - budget.cpu
+        if over_cpu > 0:
+            d = min(x["wc"], over_cpu / max(model.W_total, 1.0) + 1e-3)
+            x = {**x, "wc": x["wc"] - d, "wd": x["wd"] + d}
     return x

@@ -381,9 +381,10 @@ def test_hidden_states_load_back_into_a_ring_of_device_buffers(tiny, tiny_refs, 
     which the compute stream cannot reuse). Each slot is loaded again only after compute has read
     it, CPU attention's deferred residual included: a ring of one, with the copy lanes running
     concurrently, still gives transformers' tokens. Token steps load into a second ring of
-    one-token buffers, sized the same here."""
+    one-token buffers, sized the same here, where they are not kept on the device."""
     monkeypatch.setenv("FLEXOFF_LOAD_SLOTS", str(slots))
     monkeypatch.setenv("FLEXOFF_STEP_SLOTS", str(slots))
+    monkeypatch.setenv("FLEXOFF_KEEP_STEPS", "0")
     taken: list[bool] = []
     stores: list[HiddenStore] = []
     real = HiddenStore.take
@@ -411,3 +412,36 @@ def test_hidden_states_load_back_into_a_ring_of_device_buffers(tiny, tiny_refs, 
                 if not cpu_attn and slots >= 2:
                     assert taken and all(taken), (act, taken.count(False))
                     assert stores[-1].unslotted == 0 and [len(r.slots) for r in stores[-1]._rings] == [slots, slots]
+
+
+def test_token_steps_keep_hidden_states_on_the_device(tiny, tiny_refs, monkeypatch):
+    """A token step's hidden state stays whole on the compute device between layers, whatever
+    the activations' placement: nothing is stored to its CPU or disk rows and nothing is loaded
+    back (compute waits for no copy), while prompts' hidden states still go where the policy
+    puts them and load back. Tokens equal transformers' with the GPU attending and with CPU
+    attention; with `FLEXOFF_KEEP_STEPS=0` token steps load back too."""
+    seen: list[tuple[int, bool]] = []  # (tokens per row, whether compute had copies to wait for)
+    real = HiddenStore.take
+
+    def take(self: HiddenStore, kb: int, j: int):
+        out, evs = real(self, kb, j)
+        seen.append((out.shape[1], bool(evs)))
+        return out, evs
+
+    monkeypatch.setattr(HiddenStore, "take", take)
+    want = [r for r, _ in tiny_refs["opt"]]
+    with LLM(str(tiny["opt"].path)) as llm:
+        for keep in ("1", "0"):
+            monkeypatch.setenv("FLEXOFF_KEEP_STEPS", keep)
+            for cpu_attn in (False, True):
+                seen.clear()
+                llm.policy_arg = Policy(gpu_batch_size=2, num_gpu_batches=3, w_gpu_percent=30, w_cpu_percent=40,
+                                        cache_gpu_percent=0, cache_cpu_percent=100, act_gpu_percent=0,
+                                        act_cpu_percent=50, cpu_cache_compute=cpu_attn)
+                got = [c.token_ids for c in llm.generate([{"prompt_ids": q} for q in PROMPTS],
+                                                           max_new_tokens=8).completions]
+                assert got == want, (keep, cpu_attn)
+                steps = [waited for s, waited in seen if s == 1]
+                prompts = [waited for s, waited in seen if s > 1]
+                assert steps and prompts and all(prompts), (keep, cpu_attn)
+                assert (not any(steps)) if keep == "1" else all(steps), (keep, cpu_attn, steps)

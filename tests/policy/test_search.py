@@ -31,11 +31,13 @@ def test_opt_30b_on_t4_matches_table_15_shape():
 
 
 def test_opt_175b_on_t4_matches_table_15_shape():
-    """Paper: 32x8 (0, 50, 0, 0, 0, 100): weights half CPU half disk, cache on disk, activations CPU."""
+    """Paper: 32x8 (0, 50, 0, 0, 0, 100): weights half CPU half disk, cache on disk, activations CPU.
+    Our engine keeps token steps' hidden states on the GPU, so the activations' placement moves
+    prompts' only, under the prefill's compute on a T4: off the GPU, on CPU or disk alike."""
     best = search(spec("opt-175b"), T4, W512, Budget.of(T4))[0].policy
     assert best.w_gpu_percent <= 5 and 40 <= best.w_cpu_percent <= 70 and best.w_disk_percent >= 30
     assert best.cache_disk_percent >= 90
-    assert best.act_cpu_percent >= 90
+    assert best.act_gpu_percent <= 10
     assert 128 <= best.block_size <= 1024
 
 
@@ -244,11 +246,11 @@ def test_decode_copies_take_the_engines_measured_link_rate():
     models = {h: CostModel(s, h, W512, ch) for h in (hw, slow)}
     fast, probed = (models[h].terms(x) for h in (hw, slow))
     # decode's bytes of an (attn, mlp) pair, counted here from the sizes: 4-bit weights, the
-    # staged cache rows over the average context, the activations each layer loads
+    # staged cache rows over the average context (token steps' activations stay on the GPU)
     w = sum(layer_bytes(s.layers[j], 2, weight_config(4, 64)) for j in (1, 2))
     assert [s.layers[j].kind for j in (1, 2)] == ["attn", "mlp"]
     kv = kv_record_bytes(s.num_kv_heads, s.head_dim, 2, kv_config(4, 64, s.head_dim))
-    moved = w + 384 * (512 + 32 / 2) * kv + 2 * 384 * s.hidden_size * 2
+    moved = w + 384 * (512 + 32 / 2) * kv
     assert models[slow].cache_pool(x, probed)["ctog"] == pytest.approx(moved / slow.decode_ctog_bdw)
     assert models[hw].cache_pool(x, fast)["ctog"] == pytest.approx(moved / hw.ctog_bdw)
     assert probed[("p", "attn")]["ctog"] == pytest.approx(fast[("p", "attn")]["ctog"])
@@ -349,7 +351,9 @@ def test_disk_rows_the_page_cache_holds_are_read_at_its_rate():
     budget = Budget.of(hw, 16 * 2**30, 90 * 2**30)  # the cache does not fit CPU memory: disk rows
     picks = search(s, hw, W512, budget, shapes=[(24, 3), (32, 2)], cpu_attention="on")[:4]
     alone = search(s, unmeasured, W512, budget, shapes=[(24, 3), (32, 2)], cpu_attention="on")[0]
-    assert picks[0].fractions["cd"] > 0 and picks[0].prediction.throughput > alone.prediction.throughput
+    # CPU memory runs short: the pick reads cache rows or weights from the disk, at the cache's rate
+    disk = picks[0].fractions["cd"] + picks[0].fractions["wd"]
+    assert disk > 0 and picks[0].prediction.throughput > alone.prediction.throughput
     for c in picks:
         got = CostModel(s, hw, W512, Choice(c.policy.gpu_batch_size, c.policy.num_gpu_batches,
                                             cpu_cache_compute=True)).price(c.fractions)
