@@ -48,6 +48,16 @@ VARS = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd")
 # the largest share of a decode that the engine's CPU attention lane was busy where it bound
 # (0.88-0.89: OPT-30B, 12x6 and 24x3 with (nearly) all of the cache in CPU memory, H200; RESULTS.md)
 CPU_LANE_SHARE = 0.9
+# seconds of the CPU attention lane per call (one GPU batch of one attention layer) beyond its
+# reads: the hand-off, the copies in and out of the pinned buffers, the thread's Python. Fitted:
+# OPT-30B's CPU-attention decodes on H100s kept the lane busy 0.7-1.0 ms a call beyond what
+# cpu_attn_bdw prices (4x20: 20 calls a pair, 39.7 ms busy where 25.6 were priced; 16x3 and
+# 24x3 0.7 and 1.0 ms a call; benchmarks/RESULTS.md, seventh session of 2026-11-27)
+CPU_ATTN_CALL_S = 0.75e-3
+# the share of the page cache's read rate (dtoc_cached_bdw, measured alone) that disk reads get
+# beside CPU attention, whose threads read host memory at the same time: 3.3-3.7 GB/s of 6.0-7.5
+# in three OPT-30B decodes on two H100 machines (24x3 and 32x2 cache rows, 4x20 weights)
+CPU_ATTN_READ_SHARE = 0.5
 # the share of host memory that the CPU tier and the disk tier together may fill for the disk
 # tier's files to stay in the page cache (the rest: the process's own memory, the system's)
 PAGE_CACHE_SHARE = 0.9
@@ -241,10 +251,11 @@ class CostModel:
         return out
 
     def cpu_attention(self, x: Mapping[str, Any]) -> tuple[Any, Any]:
-        """Decode CPU attention of one attention layer: the cache bytes it reads, and its seconds."""
+        """Decode CPU attention of one attention layer: the cache bytes it reads, and its seconds
+        (one call per GPU batch, each CPU_ATTN_CALL_S beyond its reads)."""
         hw, bls, ctx = self.hw, self.ch.bls, self.work.prompt_len + self.work.gen_len / 2
         read = x["cc"] * bls * ctx * self.kv
-        sec = read / hw.cpu_attn_bdw
+        sec = read / hw.cpu_attn_bdw + self.ch.num_gpu_batches * CPU_ATTN_CALL_S
         if self.ch.compress_cache:
             sec += x["cc"] * bls * ctx * self.kv_dense / hw.cpu_dequant_bdw
         return read, sec
@@ -409,8 +420,12 @@ class CostModel:
 
     def _read_disk(self, cached: bool) -> None:
         """Price disk reads from the page cache (`cached`: placements must leave it room, see
-        constraints) or from the device."""
-        self.cached_disk, self.dtoc_bdw = cached, self.hw.disk_read_bdw(cached)
+        constraints) or from the device; beside CPU attention the page cache gives
+        CPU_ATTN_READ_SHARE of its rate (never less than the device's)."""
+        rate = self.hw.disk_read_bdw(cached)
+        if self.ch.cpu_cache_compute and rate > self.hw.dtoc_bdw:
+            rate = max(self.hw.dtoc_bdw, rate * CPU_ATTN_READ_SHARE)
+        self.cached_disk, self.dtoc_bdw = cached, rate
 
     def price(self, x: Mapping[str, float]) -> Prediction:
         """evaluate(x), with disk reads from the page cache where the profile measured it faster

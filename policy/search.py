@@ -284,8 +284,9 @@ def search_training(spec: ModelSpec, hw: Hardware, seq_len: int, batch: int, bud
 def _fit_slots(model: CostModel, x: dict[str, float], budget: Budget) -> dict[str, float]:
     """The LP's fractions with weights moved from the GPU to the CPU until the GPU slots, staged
     from whole tensors as the engine stages them (the LP counts only the bytes beyond the GPU
-    share), fit the GPU budget; and from the CPU to the disk where the CPU has no room for them
-    (the LP may have filled it)."""
+    share), fit the GPU budget; and, where the LP put weights on the disk and filled the CPU, as
+    many on from the CPU to the disk (a placement that reads no weights from the disk is not
+    given some: the model prices such reads, from the page cache, too low for CPU attention)."""
     for _ in range(4):
         over = model.memory(x)["gpu"] - budget.gpu
         if over <= 0 or x["wg"] <= 0:
@@ -294,7 +295,7 @@ def _fit_slots(model: CostModel, x: dict[str, float], budget: Budget) -> dict[st
         d = min(x["wg"], over / freed + 1e-3)
         x = {**x, "wg": x["wg"] - d, "wc": x["wc"] + d}
         over_cpu = model.memory(x)["cpu"] - budget.cpu
-        if over_cpu > 0:
+        if over_cpu > 0 and x["wd"] > 1e-6:
             d = min(x["wc"], over_cpu / max(model.W_total, 1.0) + 1e-3)
             x = {**x, "wc": x["wc"] - d, "wd": x["wd"] + d}
     return x
