@@ -50,10 +50,10 @@ VARS = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd")
 CPU_LANE_SHARE = 0.9
 # seconds of the CPU attention lane per call (one GPU batch of one attention layer) beyond its
 # reads: the hand-off, the copies in and out of the pinned buffers, the thread's Python. Fitted:
-# OPT-30B's CPU-attention decodes on H100s kept the lane busy 0.7-1.0 ms a call beyond what
-# cpu_attn_bdw prices (4x20: 20 calls a pair, 39.7 ms busy where 25.6 were priced; 16x3 and
-# 24x3 0.7 and 1.0 ms a call; benchmarks/RESULTS.md, seventh session of 2026-11-27)
-CPU_ATTN_CALL_S = 0.75e-3
+# OPT-30B's five CPU-attention decodes on H100s kept the lane busy 0.7-1.5 ms a call (median
+# 1.04) beyond what cpu_attn_bdw prices (4x20: 20 calls a pair, 39.7 ms busy where 25.5 were
+# priced; benchmarks/RESULTS.md, seventh session of 2026-11-27)
+CPU_ATTN_CALL_S = 1.0e-3
 # the share of the page cache's read rate (dtoc_cached_bdw, measured alone) that disk reads get
 # beside CPU attention, whose threads read host memory at the same time: 3.3-3.7 GB/s of 6.0-7.5
 # in three OPT-30B decodes on two H100 machines (24x3 and 32x2 cache rows, 4x20 weights)

@@ -95,13 +95,15 @@ def test_the_search_keeps_inference_within_the_bound_and_trains_more_under_a_loo
     budget = Budget(16 * GiB, 100 * GiB, 0)
     best = search(s, HW, work, budget)[0].prediction.throughput
     got = {}
-    for limit in (0.2, 0.3, 0.4):
+    # a block that takes windows of 8 rows runs its inference in small GPU batches, whose CPU
+    # attention calls cost CPU_ATTN_CALL_S each: here no such plan is within 37% of inference alone
+    for limit in (0.4, 0.6, 0.7):
         top = search_coserve(s, HW, work, budget, 512, window_rows=8, limit=limit, max_windows=4)[0]
         assert top.standalone_tps == pytest.approx(best)
         assert top.training_tps > 0 and top.inference_tps >= (1 - limit) * best * (1 - 1e-6), top.describe()
         assert 0 < top.share <= 1 and top.runtime_limit == pytest.approx(top.share * top.block_slowdown)
         got[limit] = top.training_tps
-    assert got[0.2] <= got[0.3] <= got[0.4] and got[0.2] < got[0.4]
+    assert got[0.4] <= got[0.6] <= got[0.7] and got[0.4] < got[0.7]
     tight = search_coserve(s, HW, work, budget, 512, window_rows=8, limit=0.05, max_windows=4)[0]
     assert tight.share == 0 and tight.training_tps == 0 and "inference runs alone" in tight.describe()
     free = search_coserve(s, HW, work, budget, 512, window_rows=8, max_windows=2)
