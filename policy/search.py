@@ -285,8 +285,8 @@ def _fit_slots(model: CostModel, x: dict[str, float], budget: Budget) -> dict[st
     """The LP's fractions with weights moved from the GPU to the CPU until the GPU slots, staged
     from whole tensors as the engine stages them (the LP counts only the bytes beyond the GPU
     share), fit the GPU budget; and, where the LP put weights on the disk and filled the CPU, as
-    many on from the CPU to the disk (a placement that reads no weights from the disk is not
-    given some: the model prices such reads, from the page cache, too low for CPU attention)."""
+    many on from the CPU to the disk (a placement the LP kept off the disk is not given disk
+    weights it did not choose)."""
     for _ in range(4):
         over = model.memory(x)["gpu"] - budget.gpu
         if over <= 0 or x["wg"] <= 0:
