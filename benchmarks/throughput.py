@@ -125,6 +125,7 @@ class Bench:
         from flexoff.api import OOM_RETRIES
 
         for attempt in range(OOM_RETRIES):
+            self.llm.drop_engine()  # the failed run's blocks, now that its frames are gone
             self.llm.leave_more_gpu_memory()
             print(f"{label}: out of GPU memory with {policy.describe()}; searching with "
                   f"{self.llm.gpu_margin / 2**30:.1f} GiB less", file=sys.stderr, flush=True)

@@ -10,6 +10,7 @@ Does not know: files and resumption (flexoff.jobs), the schedule (offload/).
 
 from __future__ import annotations
 
+import gc
 import warnings
 from dataclasses import astuple, dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
@@ -410,11 +411,15 @@ class LLM:
         return policy if link is None else policy.replace(num_gpu_batches=policy.num_gpu_batches * link.stages)
 
     def drop_engine(self) -> None:
-        """Close the engine (after a failed run), keeping the resident weights."""
+        """Close the engine (after a failed run), keeping the resident weights, and give the CUDA
+        allocator's cached blocks back (those of tensors a failed step's frames still held are
+        given back by a later call, once the frames are gone; until then they count against the
+        GPU budget, and a retry's peaks start from them)."""
         if self.engine is not None:
             self.engine.close()
             self.engine = None
         if self.device.type == "cuda":
+            gc.collect()  # tensors held only in reference cycles (tracebacks' frames)
             torch.cuda.empty_cache()
 
     def close(self) -> None:
@@ -482,6 +487,8 @@ class LLM:
         bar = tqdm(total=len(reqs), desc="generating", unit="prompt", disable=not self.progress)
         try:
             for attempt in range(OOM_RETRIES + 1):
+                if attempt:  # the failed attempt's tensors went with its handler: give back their blocks
+                    self.drop_engine()
                 todo = [r for r in reqs if r.key not in done]
                 try:  # setting up the engine may run out too (weights loaded through the GPU)
                     per_block = self.stage_policy(policy).block_size - spare * policy.gpu_batch_size
