@@ -73,7 +73,7 @@ class _Stored:
     gpu: torch.Tensor | None  # rows kept on the compute device
     ev: Event  # compute that produced it
     homes: dict[str, Any] = field(default_factory=dict)
-    whole: bool = False  # every row kept on the compute device (`gpu`), whatever the split
+    whole: bool = False  # every row kept on the compute device (`gpu`): never stored, never loaded
 
 
 @dataclass
@@ -131,10 +131,9 @@ class RowStore:
         key by then (a holder's next output follows its last input), so that slot is free after."""
         h, ev = self._own(h, ev)
         self.read(key, ev)
-        st = _Stored(tag, tuple(h.shape), None, ev)
-        if h.shape[0] and h[0].numel() <= self.keep_row_elems:  # a token step's: kept whole
-            st.gpu, st.whole = h, True
-        for tier, r0, r1 in row_segments(h.shape[0], self.split) if not st.whole else ():
+        whole = self.all_gpu or (h.shape[0] > 0 and h[0].numel() <= self.keep_row_elems)  # or a token step's
+        st = _Stored(tag, tuple(h.shape), h if whole else None, ev, whole=whole)
+        for tier, r0, r1 in () if whole else row_segments(h.shape[0], self.split):
             if tier == "gpu":
                 st.gpu = h[r0:r1] if r1 - r0 < h.shape[0] else h
                 continue
@@ -187,7 +186,7 @@ class RowStore:
         """Start assembling the tensor under key, which must be `tag`, on the compute device."""
         st = self._stored[key]
         assert st.tag == tag, f"{key}: holds {st.tag}, {tag} was asked for"
-        if key in self._loaded or self.all_gpu or st.whole:
+        if key in self._loaded or st.whole:
             return
         out, slot = self._load_target(key, st.shape)
         free = slot.track.claim() if slot is not None else []  # the slot's last load and reads
@@ -237,7 +236,7 @@ class RowStore:
     def take(self, key: Hashable, tag: Any) -> tuple[torch.Tensor, list[Event]]:
         """The tensor under key (which must be `tag`) and the events compute must wait for."""
         st = self._stored[key]
-        if self.all_gpu or st.whole:
+        if st.whole:
             assert st.tag == tag, f"{key}: holds {st.tag}, {tag} was asked for"
             return st.gpu, []  # made on the compute stream, which reads it
         RowStore.prefetch(self, key, tag)  # the keyed form, not a subclass's
