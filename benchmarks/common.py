@@ -57,7 +57,11 @@ class AllocatorWatch:
         s = torch.cuda.memory_stats()
         return {"alloc_retries": s.get("num_alloc_retries", 0) - self.retries0,
                 "peak_reserved_GiB": s.get("reserved_bytes.all.peak", 0) / 2**30,
-                "peak_allocated_GiB": s.get("allocated_bytes.all.peak", 0) / 2**30}
+                "peak_allocated_GiB": s.get("allocated_bytes.all.peak", 0) / 2**30,
+                # allocated, or freed with a stream use not yet seen done (record_stream)
+                "peak_active_GiB": s.get("active_bytes.all.peak", 0) / 2**30,
+                # free pieces of split blocks: reserved memory a larger request cannot use
+                "peak_inactive_split_GiB": s.get("inactive_split_bytes.all.peak", 0) / 2**30}
 
 
 def cuda_missing(script: str) -> bool:

@@ -7,7 +7,7 @@ an offloaded decode spends its time as a setting changes.
 
 A setting is NAME=VALUE[,NAME=VALUE...] of environment variables the engine reads when it is
 built (FLEXOFF_CPU_THREADS, FLEXOFF_CUDA_GRAPHS, FLEXOFF_FUSED_KERNELS, FLEXOFF_PACE,
-FLEXOFF_CACHE_AHEAD, FLEXOFF_CPU_KERNEL, FLEXOFF_HOST_AHEAD, FLEXOFF_KEEP_STEPS, FLEXOFF_LOAD_SLOTS,
+FLEXOFF_CACHE_AHEAD, FLEXOFF_CPU_KERNEL, FLEXOFF_HOST_AHEAD, FLEXOFF_HOLD_STORES, FLEXOFF_KEEP_STEPS, FLEXOFF_LOAD_SLOTS,
 FLEXOFF_STEP_SLOTS, FLEXOFF_WEIGHT_SLOTS, FLEXOFF_WEIGHTS_STREAM); `--set default` changes nothing. Every (policy,
 setting) pair runs `--repeat` times, settings interleaved, after one warm-up run. `--layers`
 cuts the model to its first blocks (a layer's rates do not depend on how many follow it). Prints
@@ -28,7 +28,8 @@ from memcheck import cut_model
 from throughput import Bench, parse_policy
 
 COLUMNS = ["policy", "setting", "prefill_s", "decode_s", "gen_tok_s", "measured/predicted", "decode/bound",
-           "link_busy", "link_GBps", "cpu_attn_GBps", "cpu_attn_busy", "wait_cpu_s", "disk_GBps", "alloc_retries"]
+           "link_busy", "link_GBps", "cpu_attn_GBps", "cpu_attn_busy", "wait_cpu_s", "disk_GBps", "alloc_retries",
+           "peak_alloc_GiB", "peak_active_GiB", "peak_reserved_GiB", "hold_waits"]
 
 
 def apply(setting: str) -> None:
@@ -48,7 +49,10 @@ def summary(rec: dict[str, Any], setting: str) -> dict[str, Any]:
             "link_busy": rec.get("decode_link_busy"), "link_GBps": rec.get("decode_link_GBps"),
             "cpu_attn_GBps": td.get("cpu_attention", 0) / cpu_s / 1e9 if cpu_s else None,
             "cpu_attn_busy": cpu_s / dec if dec else None, "wait_cpu_s": td.get("wait_cpu_attention_s"),
-            "disk_GBps": td.get("disk_read", 0) / dec / 1e9 if dec else None}
+            "disk_GBps": td.get("disk_read", 0) / dec / 1e9 if dec else None,
+            "peak_alloc_GiB": rec.get("peak_allocated_GiB"), "peak_active_GiB": rec.get("peak_active_GiB"),
+            "peak_reserved_GiB": rec.get("peak_reserved_GiB"),
+            "hold_waits": rec["traffic_prefill"].get("store_hold_waits", 0) + td.get("store_hold_waits", 0)}
 
 
 def main() -> int:

@@ -253,6 +253,7 @@ class Clock:
         self.events.append(e.lanes.compute.mark())
         if i == 0:  # the prefill's end: measured, and its tokens checked at once
             e.lanes.sync()
+            e.mover.settle()
             self.prefill_s = time.perf_counter() - self.t0
             self.after_prefill = e.traffic()
             self._deliver(0)
@@ -263,6 +264,7 @@ class Clock:
     def finish(self) -> BlockResult:
         e = self.engine
         e.lanes.sync()
+        e.mover.settle()
         end = time.perf_counter()
         for d in range(self.delivered + 1, self.steps):
             if not self.stop:

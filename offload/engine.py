@@ -42,7 +42,7 @@ from flexoff.offload.layer_ops import layer_ops
 from flexoff.offload.layout import Layout, PlainFormat, WeightFormat
 from flexoff.offload.lean import LeanDecoder, graphs_enabled
 from flexoff.offload.memory import MemoryPlan, check, plan_memory
-from flexoff.offload.mover import Mover
+from flexoff.offload.mover import Mover, holds_stores
 from flexoff.offload.pipeline import PipeLink, batch_groups
 from flexoff.offload.placement import ByteSplit
 from flexoff.offload.schedule import Sweep, block_plan, forward_sweeps, training_sweeps
@@ -104,7 +104,9 @@ class Engine:
         self._own_tiers, self._own_weights = tiers is None, weights is None
         self.tiers = tiers or Tiers(device, offload_dir)
         self.mem = Ledger(self.tiers)
-        self.mover = Mover(self.lanes, self.mem)
+        # stored outputs held until copied: the plan's in-flight outputs (offload.mover.holds_stores)
+        hold = spec.inflight_bytes(policy.gpu_batch_size, max_prompt, dtype.itemsize) if holds_stores() else 0
+        self.mover = Mover(self.lanes, self.mem, hold_bytes=hold)
         try:
             self.weights = weights or WeightStore(list(spec.layers), self.fmt, policy, self.tiers)
             self.weights.bind(self.lanes, self.mover)
@@ -152,6 +154,8 @@ class Engine:
             except Exception:  # a failed lane already raised where it mattered
                 pass
             self.lanes.close()
+        if hasattr(self, "mover"):
+            self.mover.settle()
         if hasattr(self, "mem"):
             self.mem.release()
         if getattr(self, "_own_weights", False) and hasattr(self, "weights"):
@@ -342,9 +346,11 @@ class Engine:
         thread waited for CPU attention and the CPU lane spent on it, and seconds the link was busy
         with the engine's host-to-device copies (CUDA), the CUDA allocator's retries (an
         allocation that found the memory cap reached, synchronized the device and freed its cache),
+        the host's waits for a held store's copy (offload.mover.holds_stores) and their seconds,
         seconds the disk-read thread spent reading, and seconds the scheduling thread waited for
         a thread's work before the compute stream could wait for it (CUDA)."""
         retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if self.lanes.cuda else 0
         return {**self.mover.traffic, "cpu_attention": self.cpu_attention_bytes, **self.timing,
                 "h2d_busy_s": self.mover.link_seconds(), "alloc_retries": retries,
+                "store_hold_waits": self.mover.hold_waits, "store_hold_wait_s": self.mover.hold_wait_s,
                 "disk_read_s": self.mover.disk_read_s, "compute_blocked_s": self.lanes.compute.blocked_s}

@@ -10,6 +10,8 @@ Does not know: what the bytes are or why they move.
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -24,6 +26,16 @@ CHUNK = 32 << 20  # bytes per disk transfer chunk
 SPILLING = 2  # disk writes of transient tensors that may wait at once (Mover.copy)
 LINK_CHUNK = 32 << 20  # bytes per host-device copy call
 IN_FLIGHT = 2  # paced copies keep this many chunks queued on the link
+
+
+def holds_stores() -> bool:
+    """Whether device-to-host stores of compute outputs keep their source alive in the mover
+    until copied (bounded by the memory plan's in-flight bytes; the host waits for the oldest
+    beyond that) instead of handing it to the CUDA allocator with `record_stream`: a block freed
+    so is reusable only once the allocator sees the copy done, and at the memory cap the
+    allocator synchronized the device and released its whole cache to find room (each a
+    "retry"). `FLEXOFF_HOLD_STORES=0` hands them to the allocator, as before."""
+    return os.environ.get("FLEXOFF_HOLD_STORES", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -52,8 +64,15 @@ def span_of(t: torch.Tensor) -> Span:
 class Mover:
     """Copies byte spans between tiers; one per engine."""
 
-    def __init__(self, lanes: Lanes, mem: Ledger, chunk: int = CHUNK):
+    def __init__(self, lanes: Lanes, mem: Ledger, chunk: int = CHUNK, hold_bytes: int = 0):
+        """`hold_bytes`: device bytes of stored compute outputs kept alive here until copied (0:
+        none, every source goes to the allocator with record_stream); see holds_stores."""
         self.lanes, self.mem, self.chunk = lanes, mem, chunk
+        self.hold_bytes = hold_bytes
+        self._held: deque[tuple[torch.Tensor, torch.cuda.Event]] = deque()  # oldest first
+        self._held_n = 0  # bytes in _held
+        self._held_lock = threading.Lock()  # a store lane may run copies on its helper thread
+        self.hold_waits, self.hold_wait_s = 0, 0.0  # the host waited for the oldest held store
         self.traffic: dict[str, int] = {k: 0 for k in ("h2d", "d2h", "d2d", "host", "disk_read", "disk_write")}
         self._bounce: dict[str, list[torch.Tensor]] = {}  # pinned, allocated on first disk use
         self._bounce_ev: dict[str, list] = {"read": [None, None], "write": [None, None]}
@@ -67,7 +86,7 @@ class Mover:
     def copy(self, dst: Span, src: Span, deps: Iterable[Event] = (),
              lane: Literal["load", "weights", "fetch", "store"] = "load", transient: bool = False) -> Event:
         """Copy src's bytes to dst after `deps`. `transient`: src is a compute output that lives
-        only until copied; a disk write of one is started only while fewer than SPILLING others
+        only until copied (held here until then, where hold_bytes allows); a disk write of one is started only while fewer than SPILLING others
         are unwritten (the host waits), so a disk slower than compute does not pile them up in
         device memory (the memory plan counts two layer-batches of them)."""
         assert dst.nbytes == src.nbytes, (dst.nbytes, src.nbytes)
@@ -104,9 +123,14 @@ class Mover:
                 for off in range(0, d.numel(), LINK_CHUNK):
                     d[off:off + LINK_CHUNK].copy_(s[off:off + LINK_CHUNK], non_blocking=True)
             if stream is not None:  # keep transient device tensors alive for this stream
+                held = transient and self.hold_bytes > 0 and s.is_cuda and not d.is_cuda
                 for t in (d, s):
-                    if t.is_cuda:
+                    if t.is_cuda and not (held and t is s):
                         t.record_stream(stream)
+                if held:
+                    copied = torch.cuda.Event()
+                    copied.record(stream)
+                    self._hold(s, copied)
             if start is None:
                 return None
             end = self._mark(stream)
@@ -147,6 +171,32 @@ class Mover:
             d.record_stream(stream)
         self._timed.append((start, queued[-1]))
         return Event(cuda=queued[-1], stream=stream)
+
+    def _hold(self, t: torch.Tensor, copied: torch.cuda.Event) -> None:
+        """Keep a stored output's memory until `copied`: drop those whose copy is done, then
+        wait on the host for the oldest while more than hold_bytes are held."""
+        with self._held_lock:
+            self._held.append((t, copied))
+            self._held_n += t.numel() * t.element_size()
+            self._drop_done()
+            while self._held_n > self.hold_bytes and len(self._held) > 1:
+                old, ev = self._held[0]
+                t0 = time.perf_counter()
+                ev.synchronize()
+                self.hold_wait_s += time.perf_counter() - t0
+                self.hold_waits += 1
+                self._drop_done()
+
+    def _drop_done(self) -> None:
+        """Forget held outputs whose copies are done (a stream's copies end in order)."""
+        while self._held and self._held[0][1].query():
+            old, _ = self._held.popleft()
+            self._held_n -= old.numel() * old.element_size()
+
+    def settle(self) -> None:
+        """After a device synchronization: every held output's copy is done; forget them."""
+        with self._held_lock:
+            self._drop_done()
 
     @staticmethod
     def _mark(stream: torch.cuda.Stream | None = None, blocking: bool = False) -> torch.cuda.Event:
