@@ -146,6 +146,39 @@ def test_budget_is_enforced_on_the_gpu(tiny):
             llm.generate(["hello"], max_new_tokens=2)
 
 
+def test_stores_deliver_outputs_whose_memory_the_caller_let_go():
+    """Device-to-host stores of transient outputs queued behind a busy store stream: the caller
+    lets each output go at once and the compute stream allocates and fills memory right after;
+    every copy still delivers its output's bytes, with the mover holding the outputs (a budget
+    smaller than all of them, so the host also waits for the oldest) and with record_stream."""
+    from flexoff.offload.lanes import Lanes
+    from flexoff.offload.mover import Mover, Span, span_of
+    from flexoff.offload.tiers import Ledger, Tiers
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    n, count = 8 << 20, 12
+    for hold in (0, 5 * n):
+        lanes, tiers = Lanes(dev), Tiers(dev, None)
+        mem = Ledger(tiers)
+        mover = Mover(lanes, mem, hold_bytes=hold)
+        homes = [mem.alloc("cpu", n) for _ in range(count)]
+        with torch.cuda.stream(lanes.store.stream):
+            torch.cuda._sleep(10**8)  # the copies queue behind this
+        for i, home in enumerate(homes):
+            out = torch.full((n,), i, dtype=torch.uint8, device=dev)
+            mover.copy(Span(home, 0, n), span_of(out), [lanes.compute.mark()], lane="store", transient=True)
+            del out
+            torch.full((n,), 255, dtype=torch.uint8, device=dev)  # may take the memory let go
+        lanes.sync()
+        mover.settle()
+        assert [int(h.min()) for h in homes] == [int(h.max()) for h in homes] == list(range(count))
+        # the sixth output waited for the first (the stream still asleep); later ones may find theirs done
+        assert (1 <= mover.hold_waits <= count - 5) if hold else mover.hold_waits == 0
+        lanes.close()
+        mem.release()
+        tiers.close()
+
+
 def test_paced_copies_deliver_every_byte():
     """Large host-to-device copies go through the feed thread chunk by chunk, after their
     dependencies; the bytes arrive whole and the returned event covers all of them."""

@@ -445,3 +445,46 @@ def test_token_steps_keep_hidden_states_on_the_device(tiny, tiny_refs, monkeypat
                 prompts = [waited for s, waited in seen if s > 1]
                 assert steps and prompts and all(prompts), (keep, cpu_attn)
                 assert (not any(steps)) if keep == "1" else all(steps), (keep, cpu_attn, steps)
+
+
+def test_held_stores_stay_within_their_bytes_and_wait_for_the_oldest(tmp_path):
+    """The mover keeps stored compute outputs alive until their copies are done (CUDA's path;
+    its events are stood in for here): outputs whose copies are done are let go as new ones
+    come, never more than `hold_bytes` are held beyond the newest, and the host waits for the
+    oldest copy first."""
+    from flexoff.offload.lanes import Lanes
+    from flexoff.offload.mover import Mover
+    from flexoff.offload.tiers import Ledger, Tiers
+
+    waited: list[int] = []
+
+    class Copied:  # a copy's event: done once the "stream" passes it, or once waited for
+        def __init__(self, n: int):
+            self.n, self.done = n, False
+
+        def query(self) -> bool:
+            return self.done
+
+        def synchronize(self) -> None:
+            waited.append(self.n)
+            self.done = True
+
+    lanes, tiers = Lanes(torch.device("cpu")), Tiers(torch.device("cpu"), str(tmp_path))
+    mover = Mover(lanes, Ledger(tiers), hold_bytes=3000)
+    evs = [Copied(n) for n in range(8)]
+    for n in range(4):  # 1000 bytes each: the fourth makes 4000 > 3000, so the first is waited for
+        mover._hold(torch.zeros(1000, dtype=torch.uint8), evs[n])
+    assert waited == [0] and mover._held_n == 3000 and mover.hold_waits == 1
+    evs[1].done = evs[2].done = True  # copied meanwhile: let go without waiting
+    mover._hold(torch.zeros(1000, dtype=torch.uint8), evs[4])
+    assert waited == [0] and mover._held_n == 2000
+    evs[4].done = True  # a later copy done before an earlier one is still held (copies end in order)
+    mover._hold(torch.zeros(2500, dtype=torch.uint8), evs[5])  # 4500 held: 3, then 4 let go
+    assert waited == [0, 3] and mover._held_n == 2500
+    mover._hold(torch.zeros(4000, dtype=torch.uint8), evs[6])  # larger than the budget: held alone
+    assert waited == [0, 3, 5] and mover._held_n == 4000 and len(mover._held) == 1
+    evs[6].done = True
+    mover.settle()
+    assert mover._held_n == 0 and not mover._held
+    lanes.close()
+    tiers.close()
