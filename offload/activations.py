@@ -12,6 +12,7 @@ Does not know: model math, the schedule.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any, Hashable, Iterable, Literal, Sequence
 
@@ -112,10 +113,13 @@ class RowStore:
         self.dtype, self.lanes, self.mover, self.device = dtype, lanes, mover, mem.device
         self.keep_row_elems = step_row_bytes // dtype.itemsize if keep_steps else 0
         self.split = split
+        # rows kept on the GPU join a loaded input on compute when taken (`take`); 0: on the lane
+        self.join_on_compute = os.environ.get("FLEXOFF_JOIN_ON_COMPUTE", "1") != "0"
         self.homes = {key: {t: (mem.alloc(t, n * row_bytes), Tracked())
                             for t, n in split.items() if n > 0 and t != "gpu"} for key in keys}
         self._stored: dict[Hashable, _Stored] = {}
-        self._loaded: dict[Hashable, tuple[Any, torch.Tensor, list[Event], _Slot | None]] = {}
+        # key -> (tag, target, its loads' events, its ring slot, rows to copy in from the GPU)
+        self._loaded: dict[Hashable, tuple[Any, torch.Tensor, list[Event], _Slot | None, tuple[int, int] | None]] = {}
         rows = sum(split.values())  # (a store all on the GPU never loads: no ring)
         self._rings = [r for r in (_Ring(step_slots, rows * step_row_bytes // dtype.itemsize),
                                    _Ring(slots, rows * row_bytes // dtype.itemsize)) if r.count > 0]
@@ -190,20 +194,31 @@ class RowStore:
             return
         out, slot = self._load_target(key, st.shape)
         free = slot.track.claim() if slot is not None else []  # the slot's last load and reads
-        evs = []
+        evs, gpu_rows = [], None
         for tier, r0, r1 in row_segments(st.shape[0], self.split):
-            dst = span_of(out[r0:r1])
             if tier == "gpu":
-                ev = self.mover.copy(dst, span_of(st.gpu), [st.ev] + free, lane=self.lane)
-            else:
-                buf, track = self.homes[key][tier]
-                assert track.tag == tag
-                ev = self.mover.copy(dst, Span(buf, 0, dst.nbytes), track.read_deps() + free, lane=self.lane)
-                track.was_read(ev)
+                gpu_rows = (r0, r1)
+                continue
+            dst = span_of(out[r0:r1])
+            buf, track = self.homes[key][tier]
+            assert track.tag == tag
+            ev = self.mover.copy(dst, Span(buf, 0, dst.nbytes), track.read_deps() + free, lane=self.lane)
+            track.was_read(ev)
             if slot is not None:
                 slot.track.wrote(ev)
             evs.append(ev)
-        self._loaded[key] = (tag, out, evs, slot)
+        if gpu_rows is not None and not (evs and self.join_on_compute):  # also GPU rows only (a small
+            # batch): copied here on the lane, after the target's last use
+            r0, r1 = gpu_rows
+            ev = self.mover.copy(span_of(out[r0:r1]), span_of(st.gpu), [st.ev] + free, lane=self.lane)
+            if slot is not None:
+                slot.track.wrote(ev)
+            evs.append(ev)
+            gpu_rows = None
+        # gpu_rows: the rows kept on the GPU, which take copies in on compute once it has waited
+        # for the loads (which waited for the target's last use): on the load stream, that copy
+        # queued behind weight copies while the allocator kept the whole output it read from
+        self._loaded[key] = (tag, out, evs, slot, gpu_rows)
 
     def _load_target(self, key: Hashable, shape: tuple[int, ...]) -> tuple[torch.Tensor, _Slot | None]:
         """A device tensor for the loading stream to fill: the next slot that holds no load
@@ -240,8 +255,12 @@ class RowStore:
             assert st.tag == tag, f"{key}: holds {st.tag}, {tag} was asked for"
             return st.gpu, []  # made on the compute stream, which reads it
         RowStore.prefetch(self, key, tag)  # the keyed form, not a subclass's
-        got, out, evs, slot = self._loaded.pop(key)
+        got, out, evs, slot, gpu_rows = self._loaded.pop(key)
         assert got == tag
+        if gpu_rows is not None:  # the rows kept on the GPU join the loaded ones, on compute
+            self.lanes.compute.wait(evs)
+            evs = []
+            self.mover.compute_copy(out[gpu_rows[0]:gpu_rows[1]], st.gpu)
         if slot is not None:
             self._taken[key] = slot
         elif self.lanes.compute.stream is not None:  # its memory goes back to the load stream's pool

@@ -86,9 +86,10 @@ class Mover:
     def copy(self, dst: Span, src: Span, deps: Iterable[Event] = (),
              lane: Literal["load", "weights", "fetch", "store"] = "load", transient: bool = False) -> Event:
         """Copy src's bytes to dst after `deps`. `transient`: src is a compute output that lives
-        only until copied (held here until then, where hold_bytes allows); a disk write of one is started only while fewer than SPILLING others
-        are unwritten (the host waits), so a disk slower than compute does not pile them up in
-        device memory (the memory plan counts two layer-batches of them)."""
+        only until copied (held here until then, where hold_bytes allows); a disk write of one is
+        started only while fewer than SPILLING others are unwritten (the host waits), so a disk
+        slower than compute does not pile them up in device memory (the memory plan counts two
+        layer-batches of them)."""
         assert dst.nbytes == src.nbytes, (dst.nbytes, src.nbytes)
         assert not (dst.on_disk and src.on_disk)
         if src.nbytes == 0:
@@ -138,6 +139,16 @@ class Mover:
             return end
 
         return runner.run(fn, deps)
+
+    def compute_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """dst <- src now, on the compute lane: contiguous tensors on the compute device that only
+        compute uses (no other stream reads src, so its memory needs no record of this use)."""
+        self._count(span_of(dst), span_of(src))
+        if self.lanes.cuda:
+            with torch.cuda.stream(self.lanes.compute.stream):
+                dst.copy_(src)
+        else:
+            dst.copy_(src)
 
     def copy_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], deps: Iterable[Event] = ()) -> Event:
         """Many small memory-to-memory copies (dst, src tensors of equal size) in one task on the
