@@ -7,9 +7,9 @@ an offloaded decode spends its time as a setting changes.
 
 A setting is NAME=VALUE[,NAME=VALUE...] of environment variables the engine reads when it is
 built (FLEXOFF_CPU_THREADS, FLEXOFF_CUDA_GRAPHS, FLEXOFF_FUSED_KERNELS, FLEXOFF_PACE,
-FLEXOFF_CACHE_AHEAD, FLEXOFF_CPU_KERNEL, FLEXOFF_HOST_AHEAD, FLEXOFF_HOLD_STORES, FLEXOFF_JOIN_ON_COMPUTE, FLEXOFF_KEEP_STEPS,
-FLEXOFF_LOAD_SLOTS,
-FLEXOFF_STEP_SLOTS, FLEXOFF_WEIGHT_SLOTS, FLEXOFF_WEIGHTS_STREAM); `--set default` changes nothing. Every (policy,
+FLEXOFF_CACHE_AHEAD, FLEXOFF_CPU_KERNEL, FLEXOFF_HOST_AHEAD, FLEXOFF_HOLD_STORES,
+FLEXOFF_JOIN_ON_COMPUTE, FLEXOFF_KEEP_STEPS, FLEXOFF_LOAD_SLOTS, FLEXOFF_STEP_SLOTS,
+FLEXOFF_WEIGHT_SLOTS, FLEXOFF_WEIGHTS_STREAM); `--set default` changes nothing. Every (policy,
 setting) pair runs `--repeat` times, settings interleaved, after one warm-up run. `--layers`
 cuts the model to its first blocks (a layer's rates do not depend on how many follow it). Prints
 a table and appends records to OUT/engine-settings.jsonl.
