@@ -4,7 +4,9 @@ Knows: how a byte range gets from one buffer to another: device and host
 memory through `copy_` on the load or store lane (CUDA streams on a GPU), disk
 through its own worker threads and two pinned bounce buffers per direction, in
 chunks, so a disk read overlaps the host-to-device copy of the chunk before it.
-Every copy returns an Event.
+Every copy returns an Event. Device memory a copy reads on another stream stays alive until the
+copy is done: stored compute outputs held here (up to a byte budget), the rest by the CUDA
+allocator (`record_stream`).
 Does not know: what the bytes are or why they move.
 """
 
