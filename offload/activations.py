@@ -2,10 +2,10 @@
 
 Knows: a tensor split along rows across tiers (rows on the GPU stay where compute left them;
 CPU and disk rows are stored after they are produced and loaded back, one step ahead, before
-they are needed; the GPU rows join them on the compute stream when compute takes the input), keyed by what holds them and tagged with what they are (the hidden store:
-one per batch, tagged by the layer whose output it is; the stash: one per (layer, window batch),
-the layer's input in a training window's forward sweep, for its reverse sweep); which events
-order them.
+they are needed; the GPU rows join them on the compute stream when compute takes the input),
+keyed by what holds them and tagged with what they are (the hidden store: one per batch, tagged
+by the layer whose output it is; the stash: one per (layer, window batch), the layer's input in
+a training window's forward sweep, for its reverse sweep); which events order them.
 Does not know: model math, the schedule.
 """
 
