@@ -194,30 +194,27 @@ class RowStore:
             return
         out, slot = self._load_target(key, st.shape)
         free = slot.track.claim() if slot is not None else []  # the slot's last load and reads
+        segments = row_segments(st.shape[0], self.split)
+        # the rows kept on the GPU join the loaded ones on compute when taken (`take`): on the load
+        # stream their copy queued behind weight copies while the allocator kept the whole output
+        # it read from; copied here where no other rows load (a small batch) or the setting says
+        join = self.join_on_compute and any(tier != "gpu" for tier, _, _ in segments)
         evs, gpu_rows = [], None
-        for tier, r0, r1 in row_segments(st.shape[0], self.split):
-            if tier == "gpu":
+        for tier, r0, r1 in segments:
+            if tier == "gpu" and join:
                 gpu_rows = (r0, r1)
                 continue
             dst = span_of(out[r0:r1])
-            buf, track = self.homes[key][tier]
-            assert track.tag == tag
-            ev = self.mover.copy(dst, Span(buf, 0, dst.nbytes), track.read_deps() + free, lane=self.lane)
-            track.was_read(ev)
+            if tier == "gpu":
+                ev = self.mover.copy(dst, span_of(st.gpu), [st.ev] + free, lane=self.lane)
+            else:
+                buf, track = self.homes[key][tier]
+                assert track.tag == tag
+                ev = self.mover.copy(dst, Span(buf, 0, dst.nbytes), track.read_deps() + free, lane=self.lane)
+                track.was_read(ev)
             if slot is not None:
                 slot.track.wrote(ev)
             evs.append(ev)
-        if gpu_rows is not None and not (evs and self.join_on_compute):  # also GPU rows only (a small
-            # batch): copied here on the lane, after the target's last use
-            r0, r1 = gpu_rows
-            ev = self.mover.copy(span_of(out[r0:r1]), span_of(st.gpu), [st.ev] + free, lane=self.lane)
-            if slot is not None:
-                slot.track.wrote(ev)
-            evs.append(ev)
-            gpu_rows = None
-        # gpu_rows: the rows kept on the GPU, which take copies in on compute once it has waited
-        # for the loads (which waited for the target's last use): on the load stream, that copy
-        # queued behind weight copies while the allocator kept the whole output it read from
         self._loaded[key] = (tag, out, evs, slot, gpu_rows)
 
     def _load_target(self, key: Hashable, shape: tuple[int, ...]) -> tuple[torch.Tensor, _Slot | None]:

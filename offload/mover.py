@@ -71,7 +71,7 @@ class Mover:
         none, every source goes to the allocator with record_stream); see holds_stores."""
         self.lanes, self.mem, self.chunk = lanes, mem, chunk
         self.hold_bytes = hold_bytes
-        self._held: deque[tuple[torch.Tensor, torch.cuda.Event]] = deque()  # oldest first
+        self._held: deque[tuple[torch.Tensor, torch.cuda.Event, int]] = deque()  # (output, copied, bytes), oldest first
         self._held_n = 0  # bytes in _held
         self._held_lock = threading.Lock()  # a store lane may run copies on its helper thread
         self.hold_waits, self.hold_wait_s = 0, 0.0  # the host waited for the oldest held store
@@ -146,10 +146,7 @@ class Mover:
         """dst <- src now, on the compute lane: contiguous tensors on the compute device that only
         compute uses (no other stream reads src, so its memory needs no record of this use)."""
         self._count(span_of(dst), span_of(src))
-        if self.lanes.cuda:
-            with torch.cuda.stream(self.lanes.compute.stream):
-                dst.copy_(src)
-        else:
+        with torch.cuda.stream(self.lanes.compute.stream):  # None (no CUDA): the current thread
             dst.copy_(src)
 
     def copy_many(self, pairs: list[tuple[torch.Tensor, torch.Tensor]], deps: Iterable[Event] = ()) -> Event:
@@ -189,13 +186,13 @@ class Mover:
         """Keep a stored output's memory until `copied`: drop those whose copy is done, then
         wait on the host for the oldest while more than hold_bytes are held."""
         with self._held_lock:
-            self._held.append((t, copied))
-            self._held_n += t.numel() * t.element_size()
+            n = t.numel() * t.element_size()
+            self._held.append((t, copied, n))
+            self._held_n += n
             self._drop_done()
             while self._held_n > self.hold_bytes and len(self._held) > 1:
-                old, ev = self._held[0]
                 t0 = time.perf_counter()
-                ev.synchronize()
+                self._held[0][1].synchronize()
                 self.hold_wait_s += time.perf_counter() - t0
                 self.hold_waits += 1
                 self._drop_done()
@@ -203,8 +200,7 @@ class Mover:
     def _drop_done(self) -> None:
         """Forget held outputs whose copies are done (a stream's copies end in order)."""
         while self._held and self._held[0][1].query():
-            old, _ = self._held.popleft()
-            self._held_n -= old.numel() * old.element_size()
+            self._held_n -= self._held.popleft()[2]
 
     def settle(self) -> None:
         """After a device synchronization: every held output's copy is done; forget them."""
