@@ -24,7 +24,7 @@ import tempfile
 import time
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import psutil
 import torch
@@ -34,6 +34,11 @@ from flexoff.errors import FlexoffError
 GB = 1e9
 UNMEASURED_ZERO = ("host_step_s", "lora_host_step_s", "packed_host_step_s", "gpu_mem_bdw", "decode_ctog_bdw",
                    "dtoc_cached_bdw")  # fields that may be 0
+# Host-side rates vary from call to call far more than the link's: over 25 H100 profiles of one
+# day, three contended CPU-attention calls gave medians from 18 to 55 GB/s while the engine's own
+# CPU attention ran at 34-44 GB/s on every one of those machines. Medians of more calls.
+CPU_ATTENTION_SAMPLES = 11
+CPU_COPY_SAMPLES = 7
 
 
 @dataclass(frozen=True)
@@ -219,7 +224,12 @@ def _timed(fn: Callable[[], Any], sync: Callable[[], None], repeat: int = 5) -> 
         fn()
         sync()
         times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
+    return _median(times)
+
+
+def _median(samples: Iterable[float]) -> float:
+    ordered = sorted(samples)
+    return ordered[len(ordered) // 2]
 
 
 def measure(offload_dir: str | None = None, size: int = 512 << 20, quick: bool = False) -> Hardware:
@@ -315,7 +325,7 @@ def host_copy_bandwidth(nbytes: int) -> tuple[float, float]:
     big = torch.empty(nbytes // 4, dtype=torch.float32)
     big.fill_(1.0)
     other = torch.empty_like(big)
-    s = _timed(lambda: other.copy_(big), lambda: None, repeat=3)
+    s = _timed(lambda: other.copy_(big), lambda: None, repeat=CPU_COPY_SAMPLES)
     return 2 * big.numel() * 4 / s, s
 
 
@@ -384,7 +394,7 @@ def _cpu_attention(quick: bool = False) -> tuple[float, float]:
         torch.set_num_threads(cpu_attention_threads())  # as many threads as the engine's
         try:
             fn()  # warm (and build the kernel)
-            t = sorted(contended() for _ in range(3))[1]
+            t = _median(contended() for _ in range(CPU_ATTENTION_SAMPLES))
         finally:
             torch.set_num_threads(threads)
     else:
