@@ -34,9 +34,11 @@ from flexoff.errors import FlexoffError
 GB = 1e9
 UNMEASURED_ZERO = ("host_step_s", "lora_host_step_s", "packed_host_step_s", "gpu_mem_bdw", "decode_ctog_bdw",
                    "dtoc_cached_bdw")  # fields that may be 0
-# Host-side rates vary from call to call far more than the link's: over 25 H100 profiles of one
-# day, three contended CPU-attention calls gave medians from 18 to 55 GB/s while the engine's own
-# CPU attention ran at 34-44 GB/s on every one of those machines. Medians of more calls.
+# Host-side rates vary from call to call far more than the link's: on one H100 host, single
+# contended CPU-attention calls took 10-39 ms where most took 10-11, and 25 profiles of one day
+# (medians of three calls, measured after the engine probes) gave 18-55 GB/s while the engine's
+# CPU attention ran at 34-44 GB/s on every one of those machines. So: medians of more calls, and
+# the host's rates measured first (flexoff.profiler runs this before its engine probes).
 CPU_ATTENTION_SAMPLES = 11
 CPU_COPY_SAMPLES = 7
 
@@ -242,6 +244,9 @@ def measure(offload_dir: str | None = None, size: int = 512 << 20, quick: bool =
     sync = (lambda: torch.cuda.synchronize()) if cuda else (lambda: None)
     if not cuda or quick:
         size = min(size, (16 if quick else 128) << 20)
+    cpu_attn, cpu_flops = _cpu_attention(quick)  # the host's rates before anything else has run
+    cpu_mem = host_copy_bandwidth(size)[0]
+    deq, cpu_deq = _dequant(dev, quick)
     host = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
     devbuf = torch.empty(size, dtype=torch.uint8, device=dev)
     host.fill_(1)
@@ -266,9 +271,6 @@ def measure(offload_dir: str | None = None, size: int = 512 << 20, quick: bool =
     layers = tuple((hd, _layer_mm(dev, dtype, hd, 16384 if cuda and not quick else 256, sync)) for hd in hiddens)
     bmm_p, bmm_g = (bmm(64, 512, 128, 512), bmm(1024, 1, 128, 1024)) if not quick else \
         (bmm(8, 64, 64, 64), bmm(64, 1, 64, 256))
-    cpu_attn, cpu_flops = _cpu_attention(quick)
-    deq, cpu_deq = _dequant(dev, quick)
-    cpu_mem = host_copy_bandwidth(size)[0]
     disk_free = shutil.disk_usage(offload_dir or tempfile.gettempdir()).free
     gpu_mem = torch.cuda.get_device_properties(0).total_memory if cuda else psutil.virtual_memory().total
     return Hardware(f"measured:{platform.node()}", dev.type, gpu_mem=float(gpu_mem),
