@@ -139,18 +139,24 @@ def random_adapter(name: str, spec: Any, rank: int, seed: int, device: torch.dev
 def measure(offload_dir: str | None = None, quick: bool = False) -> Hardware:
     """Measure this machine, the engine's host step (and what LoRA adds to it) and its decode
     link rate included."""
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     # The machine's own rates first, as a fresh engine process meets them: on an H100 host, CPU
     # attention measured 20.5 GB/s after the engine probes below and 47.6-51.5 GB/s in a fresh
-    # process (three rounds of 11 calls), where runs of the engine's CPU attention reached 41-43.
+    # process (three rounds of 11 calls), where runs of the engine's CPU attention reached 41-43
+    # (benchmarks/host_rates.py compares the two in one process).
     measured = hardware.measure(offload_dir, quick=quick)
+    return replace(measured, **engine_probes(offload_dir, quick))
+
+
+def engine_probes(offload_dir: str | None = None, quick: bool = False) -> dict[str, float]:
+    """The profile's fields that runs of the engine measure: the host step (plain, what LoRA
+    adds, 4-bit packed) and the decode link rate (not with `quick`)."""
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     with probe_model() as model:
         base = host_step(dev, offload_dir, model=model)
         extra = max(0.0, host_step(dev, offload_dir, lora=True, model=model) - base)
         packed = host_step(dev, offload_dir, packed=True, model=model)
     link = 0.0 if quick else decode_link_rate(dev, offload_dir)
-    return replace(measured, host_step_s=base, lora_host_step_s=extra, packed_host_step_s=packed,
-                   decode_ctog_bdw=link)
+    return {"host_step_s": base, "lora_host_step_s": extra, "packed_host_step_s": packed, "decode_ctog_bdw": link}
 
 
 def load(name_or_path: str | None, offload_dir: str | None = None,

@@ -218,6 +218,11 @@ def save(hw: Hardware, path: Path) -> None:
 # ---- measuring -------------------------------------------------------------
 def _timed(fn: Callable[[], Any], sync: Callable[[], None], repeat: int = 5) -> float:
     """Median seconds of fn after a warm-up."""
+    return _median(_samples(fn, sync, repeat))
+
+
+def _samples(fn: Callable[[], Any], sync: Callable[[], None], repeat: int) -> list[float]:
+    """Seconds of each of `repeat` calls of fn after a warm-up."""
     fn()
     sync()
     times = []
@@ -226,7 +231,7 @@ def _timed(fn: Callable[[], Any], sync: Callable[[], None], repeat: int = 5) -> 
         fn()
         sync()
         times.append(time.perf_counter() - t0)
-    return _median(times)
+    return times
 
 
 def _median(samples: Iterable[float]) -> float:
@@ -323,12 +328,18 @@ def _elementwise(dev: torch.device, dtype: torch.dtype, sync: Callable[[], None]
 
 
 def host_copy_bandwidth(nbytes: int) -> tuple[float, float]:
-    """Bytes/s of a host memcpy of nbytes (read plus written), and the seconds one copy takes."""
+    """Bytes/s of a host memcpy of nbytes (read plus written), and the seconds one copy takes
+    (the median of CPU_COPY_SAMPLES)."""
+    s = _median(host_copy_samples(nbytes))
+    return 2 * (nbytes // 4 * 4) / s, s
+
+
+def host_copy_samples(nbytes: int, repeat: int = CPU_COPY_SAMPLES) -> list[float]:
+    """Seconds of each of `repeat` host memcpys of nbytes, after a warm-up."""
     big = torch.empty(nbytes // 4, dtype=torch.float32)
     big.fill_(1.0)
     other = torch.empty_like(big)
-    s = _timed(lambda: other.copy_(big), lambda: None, repeat=CPU_COPY_SAMPLES)
-    return 2 * big.numel() * 4 / s, s
+    return _samples(lambda: other.copy_(big), lambda: None, repeat)
 
 
 def _disk(offload_dir: str | None, buf: torch.Tensor) -> tuple[float, float, float]:
@@ -357,12 +368,20 @@ def _disk(offload_dir: str | None, buf: torch.Tensor) -> tuple[float, float, flo
 
 
 def _cpu_attention(quick: bool = False) -> tuple[float, float]:
-    """KV bytes/s and FLOP/s of decode attention on the CPU through the engine's call
+    """KV bytes/s and FLOP/s of decode attention on the CPU: cpu_attention_samples' median call."""
+    kv_bytes, flops, secs = cpu_attention_samples(quick)
+    t = _median(secs)
+    return kv_bytes / t, flops / t
+
+
+def cpu_attention_samples(quick: bool = False, repeat: int = CPU_ATTENTION_SAMPLES) -> tuple[int, int, list[float]]:
+    """The KV bytes and FLOPs of one call of decode attention on the CPU through the engine's call
     (attend_cached: the compiled kernel where it builds) over head-major rows, a prompt area and
     a generated one, at a size well past the CPU caches. On a GPU machine it runs on the engine's
     CPU-attention threads and is timed while host-to-device copies stream, as in offloaded
     decoding, where weight transfers and CPU attention share host memory bandwidth (on an H200
-    host this halved torch's rate: 60.7 GB/s alone, 31.7 GB/s in the engine)."""
+    host this halved torch's rate: 60.7 GB/s alone, 31.7 GB/s in the engine), and the seconds of
+    each of `repeat` calls after a warm-up."""
     from flexoff.kernels.cpu_attention import cpu_attention_threads
     from flexoff.models.attention import attend_cached
 
@@ -396,12 +415,12 @@ def _cpu_attention(quick: bool = False) -> tuple[float, float]:
         torch.set_num_threads(cpu_attention_threads())  # as many threads as the engine's
         try:
             fn()  # warm (and build the kernel)
-            t = _median(contended() for _ in range(CPU_ATTENTION_SAMPLES))
+            secs = [contended() for _ in range(repeat)]
         finally:
             torch.set_num_threads(threads)
     else:
-        t = _timed(fn, lambda: None, repeat=3)
-    return 2 * b * heads * s * d * dtype.itemsize / t, 4 * b * heads * d * s / t
+        secs = _samples(fn, lambda: None, repeat)
+    return 2 * b * heads * s * d * dtype.itemsize, 4 * b * heads * d * s, secs
 
 
 def _dequant(dev: torch.device, quick: bool = False) -> tuple[float, float]:

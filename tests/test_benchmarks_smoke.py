@@ -91,6 +91,24 @@ def test_host_step_measures_a_policy_at_a_models_depth(tmp_path):
         assert r["token_step_host_ms"] == pytest.approx(r["median_ms"] * 6 * nb)
 
 
+def test_host_rates_measures_fresh_and_after_the_engine_probes(tmp_path):
+    """benchmarks/host_rates.py --quick: a round per phase, each rate the median call's, each call
+    timed; the probes' fields as the profile takes them."""
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_rates.py"), "--quick", "--rounds", "1",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    recs = [json.loads(l) for l in (tmp_path / "host-rates.jsonl").read_text().splitlines()]
+    assert [r["phase"] for r in recs] == ["fresh", "after engine probes"]
+    kv_bytes = 2 * 4 * 8 * 128 * 64 * 4  # quick shapes' K and V on the CPU, float32
+    for r in recs:
+        calls = sorted(r["cpu_attn_call_ms"])
+        assert len(calls) == 11 and all(t > 0 for t in calls)
+        assert r["cpu_attn_GBps"] == pytest.approx(kv_bytes / (calls[5] / 1e3) / 1e9, rel=0.01)  # ms rounded to 0.1 us
+        assert r["cpu_mem_GBps"] > 0
+        assert set(r["probes"]) == {"host_step_s", "lora_host_step_s", "packed_host_step_s", "decode_ctog_bdw"}
+        assert r["probes"]["host_step_s"] > 0 and r["probes"]["decode_ctog_bdw"] == 0  # no link probe when quick
+
+
 def test_gpu_only_benchmarks_say_so_without_cuda(tmp_path):
     """Without CUDA a GPU benchmark exits 2 with one line saying why, and writes nothing."""
     import pytest
