@@ -30,15 +30,15 @@ COPY_BYTES = 512 << 20  # as the profile's copy on a GPU machine
 
 def rounds(phase: str, n: int, quick: bool) -> list[dict[str, Any]]:
     out = []
+    nbytes = COPY_BYTES >> (6 if quick else 0)
     for r in range(n):
         kv_bytes, _, secs = cpu_attention_samples(quick)
-        copies = host_copy_samples(COPY_BYTES >> (6 if quick else 0))
-        copy_bytes = 2 * (COPY_BYTES >> (6 if quick else 0))  # read plus written
+        copies = host_copy_samples(nbytes)
         out.append({"phase": phase, "round": r,
                     "cpu_attn_GBps": kv_bytes / statistics.median(secs) / 1e9,
                     "cpu_attn_call_ms": [round(t * 1e3, 4) for t in secs],
                     "cpu_attn_min_max_ms": f"{min(secs) * 1e3:.1f}-{max(secs) * 1e3:.1f}",
-                    "cpu_mem_GBps": copy_bytes / statistics.median(copies) / 1e9,
+                    "cpu_mem_GBps": 2 * nbytes / statistics.median(copies) / 1e9,  # read plus written
                     "copy_min_max_ms": f"{min(copies) * 1e3:.1f}-{max(copies) * 1e3:.1f}"})
         print(out[-1], flush=True)
     return out
