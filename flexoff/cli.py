@@ -389,7 +389,7 @@ def profile(offload_dir: str | None, output: str | None) -> None:
 
     if output:
         validate.output_file(output, "--output")
-    hw = profiler.measure(offload_dir)
+    hw = profiler.measure(offload_dir, log=lambda m: click.echo(m, err=True))
     hardware.save(hw, hardware.cache_path())
     if output:
         hardware.save(hw, Path(output))

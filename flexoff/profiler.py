@@ -136,25 +136,32 @@ def random_adapter(name: str, spec: Any, rank: int, seed: int, device: torch.dev
     return Adapter(name, "", mods)
 
 
-def measure(offload_dir: str | None = None, quick: bool = False) -> Hardware:
+def measure(offload_dir: str | None = None, quick: bool = False, log: Callable[[str], None] | None = None) -> Hardware:
     """Measure this machine, the engine's host step (and what LoRA adds to it) and its decode
-    link rate included."""
+    link rate included; `log` hears each stage as it starts."""
+    say = log or (lambda _: None)
     # The machine's own rates first, as a fresh engine process meets them: on an H100 host, CPU
     # attention measured 20.5 GB/s after the engine probes below and 47.6-51.5 GB/s in a fresh
     # process (three rounds of 11 calls), where runs of the engine's CPU attention reached 41-43
     # (benchmarks/host_rates.py compares the two in one process).
+    say("profile 1/3: host, link, disk and GPU rates")
     measured = hardware.measure(offload_dir, quick=quick)
-    return replace(measured, **engine_probes(offload_dir, quick))
+    return replace(measured, **engine_probes(offload_dir, quick, say))
 
 
-def engine_probes(offload_dir: str | None = None, quick: bool = False) -> dict[str, float]:
+def engine_probes(offload_dir: str | None = None, quick: bool = False,
+                  log: Callable[[str], None] | None = None) -> dict[str, float]:
     """The profile's fields that runs of the engine measure: the host step (plain, what LoRA
-    adds, 4-bit packed) and the decode link rate (not with `quick`)."""
+    adds, 4-bit packed) and the decode link rate (not with `quick`); `log` hears each stage."""
+    say = log or (lambda _: None)
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    say("profile 2/3: the engine's host step (plain, with LoRA, 4-bit)")
     with probe_model() as model:
         base = host_step(dev, offload_dir, model=model)
         extra = max(0.0, host_step(dev, offload_dir, lora=True, model=model) - base)
         packed = host_step(dev, offload_dir, packed=True, model=model)
+    if not quick and dev.type == "cuda":
+        say("profile 3/3: the engine's decode link rate")
     link = 0.0 if quick else decode_link_rate(dev, offload_dir)
     return {"host_step_s": base, "lora_host_step_s": extra, "packed_host_step_s": packed, "decode_ctog_bdw": link}
 
@@ -162,4 +169,4 @@ def engine_probes(offload_dir: str | None = None, quick: bool = False) -> dict[s
 def load(name_or_path: str | None, offload_dir: str | None = None,
          log: Callable[[str], None] | None = None) -> Hardware:
     """hardware.load, measuring this machine with the host step when nothing is cached."""
-    return hardware.load(name_or_path, offload_dir, log, measure_machine=measure)
+    return hardware.load(name_or_path, offload_dir, log, measure_machine=lambda where: measure(where, log=log))
