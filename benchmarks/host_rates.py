@@ -8,7 +8,7 @@ Each round is one measurement as the profile makes it (CPU_ATTENTION_SAMPLES cal
 attention, CPU_COPY_SAMPLES copies, each after a warm-up); the table gives each round's median
 rate and the spread of its calls. The profile takes its host rates before the probes: this
 script shows what that is worth on a machine (on an H100 host, 20.5 GB/s of CPU attention after
-the probes against 47.6-51.5 GB/s fresh, where the engine's own CPU attention ran at 41-43).
+the probes and the GPU's rates against 47.6-51.5 GB/s fresh, where the engine's own CPU attention ran at 41-43).
 Prints a table and appends records to OUT/host-rates.jsonl.
 """
 

@@ -141,9 +141,9 @@ def measure(offload_dir: str | None = None, quick: bool = False, log: Callable[[
     link rate included; `log` hears each stage as it starts."""
     say = log or (lambda _: None)
     # The machine's own rates first, as a fresh engine process meets them: on an H100 host, CPU
-    # attention measured 20.5 GB/s after the engine probes below and 47.6-51.5 GB/s in a fresh
-    # process (three rounds of 11 calls), where runs of the engine's CPU attention reached 41-43
-    # (benchmarks/host_rates.py compares the two in one process).
+    # attention measured 20.5 GB/s after the engine probes below (and the GPU's rates) and
+    # 47.6-51.5 GB/s in a fresh process (three rounds of 11 calls), where runs of the engine's
+    # CPU attention reached 41-43 (benchmarks/host_rates.py compares the two in one process).
     say("profile 1/3: host, link, disk and GPU rates")
     measured = hardware.measure(offload_dir, quick=quick)
     return replace(measured, **engine_probes(offload_dir, quick, say))

@@ -36,7 +36,7 @@ UNMEASURED_ZERO = ("host_step_s", "lora_host_step_s", "packed_host_step_s", "gpu
                    "dtoc_cached_bdw")  # fields that may be 0
 # Host-side rates vary from call to call far more than the link's: on one H100 host, single
 # contended CPU-attention calls took 10-39 ms where most took 10-11, and 25 profiles of one day
-# (medians of three calls, measured after the engine probes) gave 18-55 GB/s while the engine's
+# (medians of three calls, measured after the engine probes and the GPU's rates) gave 18-55 GB/s while the engine's
 # CPU attention ran at 34-44 GB/s on every one of those machines. So: medians of more calls, and
 # the host's rates measured first (flexoff.profiler runs this before its engine probes).
 CPU_ATTENTION_SAMPLES = 11
