@@ -1,6 +1,7 @@
 """The profile's host rates, call by call: CPU attention (contended by host-to-device copies, as
-`flexoff profile` measures it) and a host memcpy, in a fresh process and again after the engine
-probes that `flexoff profile` runs (host steps and the decode link rate), in one process.
+`flexoff profile` measures it) and a host memcpy, in a fresh process, again after the rest of the
+machine's rates (links, disk, GPU matmuls), and again after the engine probes that `flexoff
+profile` runs (host steps and the decode link rate), all in one process.
 
     python benchmarks/host_rates.py [--rounds 3] [--out benchmarks/out]
 
@@ -22,7 +23,7 @@ from typing import Any
 
 from common import environment, table, write_jsonl
 
-from flexoff.policy.hardware import cpu_attention_samples, host_copy_samples
+from flexoff.policy.hardware import cpu_attention_samples, host_copy_samples, measure
 from flexoff.profiler import engine_probes
 
 COPY_BYTES = 512 << 20  # as the profile's copy on a GPU machine
@@ -54,6 +55,8 @@ def main() -> int:
         print("host_rates.py: --rounds must be at least 1", file=sys.stderr)
         return 2
     rows = rounds("fresh", args.rounds, args.quick)
+    measure(quick=args.quick)  # the rest of the machine's rates: links, disk, GPU matmuls
+    rows += rounds("after the GPU's rates", args.rounds, args.quick)
     probes = engine_probes(quick=args.quick)
     rows += rounds("after engine probes", args.rounds, args.quick)
     print(table(rows, ["phase", "round", "cpu_attn_GBps", "cpu_attn_min_max_ms", "cpu_mem_GBps", "copy_min_max_ms"]))

@@ -91,14 +91,15 @@ def test_host_step_measures_a_policy_at_a_models_depth(tmp_path):
         assert r["token_step_host_ms"] == pytest.approx(r["median_ms"] * 6 * nb)
 
 
-def test_host_rates_measures_fresh_and_after_the_engine_probes(tmp_path):
-    """benchmarks/host_rates.py --quick: a round per phase, each rate the median call's, each call
-    timed; the probes' fields as the profile takes them."""
+def test_host_rates_measures_fresh_and_after_the_rest_of_the_profile(tmp_path):
+    """benchmarks/host_rates.py --quick: a round per phase (fresh, after the machine's other rates,
+    after the engine probes), each rate the median call's, each call timed; the probes' fields as
+    the profile takes them."""
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "host_rates.py"), "--quick", "--rounds", "1",
                            "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     recs = [json.loads(l) for l in (tmp_path / "host-rates.jsonl").read_text().splitlines()]
-    assert [r["phase"] for r in recs] == ["fresh", "after engine probes"]
+    assert [r["phase"] for r in recs] == ["fresh", "after the GPU's rates", "after engine probes"]
     kv_bytes = 2 * 4 * 8 * 128 * 64 * 4  # quick shapes' K and V on the CPU, float32
     for r in recs:
         calls = sorted(r["cpu_attn_call_ms"])
