@@ -68,6 +68,14 @@ PAGE_CACHE_SHARE = 0.9
 # H at 0.23, 0.60 and 0.81 of L, took 1.01, 1.055 and 1.16 of L; (w, p) = (1.2, 4) gives 1.00,
 # 1.06 and 1.17
 HOST_WEIGHT, HOST_NORM = 1.2, 4
+# a decode pair under CPU attention with several GPU batches takes longer than the larger of its
+# link's and its lane's busy time: the GPU waits for a layer's last call, and the link for the
+# weight slot that waits on the GPU. Over OPT-30B's CPU-attention decodes of 2026-11-25 and 27
+# without cache rows on disk (benchmarks/RESULTS.md), the excess was 0.15 (0.12-0.23) of one call
+# (the lane's seconds over the batches) at two GPU batches and 0.02 (0.01-0.04) at three: this
+# share over the cube of (batches - 1). With disk rows it was larger, but too unevenly to price
+# (0.03-0.49 of a call more)
+CPU_CALL_EXPOSED = 0.15
 KINDS = ("embed", "attn", "mlp", "head")
 
 
@@ -278,8 +286,9 @@ class CostModel:
         rows, their disk reads add to the link's time: rows load one step ahead only, and a
         step's compute waits on the host for its rows' read (OPT-30B 4-bit 48x10 with 8% of the
         cache on disk decoded its pairs at 0.70 of the larger of the two on an H100, its host
-        blocked 18 ms a pair; benchmarks/RESULTS.md). Empty where rows are not priced over the
-        pair."""
+        blocked 18 ms a pair; benchmarks/RESULTS.md). Under CPU attention over several GPU
+        batches, the link's term also holds what the link waits beyond its bytes
+        (CPU_CALL_EXPOSED). Empty where rows are not priced over the pair."""
         if not self.pooled:
             return {}
         hw = self.hw
@@ -293,6 +302,8 @@ class CostModel:
                "cpu_mem": (link * rate + read) / hw.cpu_mem_bdw, "host": HOST_WEIGHT * (attn["host"] + mlp["host"])}
         if self.cpu_pooled:
             out["cpu_comp"] = sec / CPU_LANE_SHARE
+            nb = self.ch.num_gpu_batches  # what the link waits beyond its bytes (CPU_CALL_EXPOSED)
+            out["ctog"] += CPU_CALL_EXPOSED / (nb - 1) ** 3 * sec / nb
         return out
 
     def staged_bytes(self, x: Mapping[str, Any]) -> tuple[Any, Any]:

@@ -8,7 +8,7 @@ import pytest
 
 from flexoff.checkpoint import load_model
 from flexoff.cli import main
-from flexoff.policy.cost_model import Choice, CostModel, Workload
+from flexoff.policy.cost_model import CPU_CALL_EXPOSED, Choice, CostModel, Workload
 from flexoff.policy.hardware import flexgen_t4, h200
 from flexoff.policy.search import Budget, search, solve_lp
 
@@ -258,7 +258,11 @@ def test_decode_copies_take_the_engines_measured_link_rate():
     cpu = Choice(16, 4, cpu_cache_compute=True)
     y = dict(x, cc=0.5, cd=0.5)
     pair = {h: CostModel(s, h, W512, cpu) for h in (hw, slow)}
-    pools = {h: m.cache_pool(y, m.terms(y))["ctog"] for h, m in pair.items()}
+    # the pooled link term: its bytes at the link's rate, and what it waits on CPU attention's last
+    # call of a layer (CPU_CALL_EXPOSED of a call at two batches, over (batches - 1)^3), whatever the rate
+    waits = {h: CPU_CALL_EXPOSED / 3**3 * m.cpu_attention(y)[1] / 4 for h, m in pair.items()}
+    assert waits[hw] == waits[slow] > 0
+    pools = {h: m.cache_pool(y, m.terms(y))["ctog"] - waits[h] for h, m in pair.items()}
     assert pools[slow] == pytest.approx(pools[hw] / 0.8)
 
 
