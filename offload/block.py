@@ -252,8 +252,7 @@ class Clock:
             st.tokens_host[i].copy_(st.tokens[i], non_blocking=True)
         self.events.append(e.lanes.compute.mark())
         if i == 0:  # the prefill's end: measured, and its tokens checked at once
-            e.lanes.sync()
-            e.mover.settle()
+            e.sync()
             self.prefill_s = time.perf_counter() - self.t0
             self.after_prefill = e.traffic()
             self._deliver(0)
@@ -263,8 +262,7 @@ class Clock:
 
     def finish(self) -> BlockResult:
         e = self.engine
-        e.lanes.sync()
-        e.mover.settle()
+        e.sync()
         end = time.perf_counter()
         for d in range(self.delivered + 1, self.steps):
             if not self.stop:

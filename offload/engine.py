@@ -145,6 +145,12 @@ class Engine:
         self._own_weights = False
         return self.weights
 
+    def sync(self) -> None:
+        """Wait for everything issued so far; the stored outputs held for their copies, all done
+        now, are let go (offload.mover.holds_stores)."""
+        self.lanes.sync()
+        self.mover.settle()
+
     def close(self) -> None:
         """Stop the lanes and give back what this engine allocated (weights and tiers only if
         it owns them: unpinning host memory, removing the offload folder). Idempotent."""
@@ -276,7 +282,7 @@ class Engine:
             run = BlockRun(self, batches, 0, list(tasks))
             try:
                 self._execute(run, training_sweeps(1), lambda i: False)
-                self.lanes.sync()
+                self.sync()
             finally:
                 self.hidden.clear()
                 self.stash.clear()
@@ -328,7 +334,7 @@ class Engine:
                     issued.popleft().wait_host()
             if not p.overlap:
                 run.finish_where(lambda c: True)
-                self.lanes.sync()
+                self.sync()
             if plan.ends and not step.backward and sweep_done(step.i):
                 break
         run.finish_where(lambda c: True)
