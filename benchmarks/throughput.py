@@ -11,9 +11,11 @@ file, or `GxN:wg,wc,cg,cc,hg,hc[:flags]` with flags a (CPU attention), w (compre
 k (compressed cache), n (no overlap). Every run is a full run of its block (no projection).
 Records go to OUT/throughput.jsonl; the frontier plot to OUT/frontier.png.
 
-A run's decode bound is the larger of the link's bytes at the profile's `ctog_bdw` and the host
-memory's: the bytes the link copies out of it plus those CPU attention reads, at `cpu_mem_bdw`
-(the two share it; before 2026-11-27 the bound took CPU attention's bytes alone).
+A run's decode bound is the largest of the link's bytes at the profile's `ctog_bdw`, CPU
+attention's reads at its `cpu_attn_bdw`, and the host memory's: the bytes the link copies out of
+it plus those CPU attention reads, at the cost model's rate for reads (HOST_READ_OVER_MEMCPY times
+`cpu_mem_bdw`). Records before 2026-11-27's tenth session took the host memory's at `cpu_mem_bdw`
+and no CPU attention term.
 """
 
 from __future__ import annotations
@@ -153,7 +155,7 @@ class Bench:
 
     def _measure(self, label: str, policy: Any, prompt_len: int, gen_len: int, num_prompts: int | None,
                  kind: str) -> dict[str, Any]:
-        from flexoff.policy.cost_model import Workload
+        from flexoff.policy.cost_model import HOST_READ_OVER_MEMCPY, Workload
 
         spec = self.llm.model.spec
         n = num_prompts or policy.block_size
@@ -170,9 +172,10 @@ class Bench:
         pred = predict(spec, self.hw, p, Workload(prompt_len, gen_len, self.llm.dtype.itemsize, n))
         td = st.traffic_decode
         link = td.get("h2d", 0) / self.hw.ctog_bdw
-        # host memory: what the link copies out of it and CPU attention reads, at the profile's rate
-        host = (td.get("h2d", 0) + td.get("cpu_attention", 0)) / self.hw.cpu_mem_bdw
-        bound = max(link, host)
+        # host memory: what the link copies out of it and CPU attention reads, at the model's rate for reads
+        host = (td.get("h2d", 0) + td.get("cpu_attention", 0)) / (HOST_READ_OVER_MEMCPY * self.hw.cpu_mem_bdw)
+        lane = td.get("cpu_attention", 0) / self.hw.cpu_attn_bdw
+        bound = max(link, host, lane)
         pcie = (st.traffic_prefill.get("h2d", 0) + td.get("h2d", 0)) / self.hw.ctog_bdw
         gib = 2**30
         rec = {"kind": kind, "label": label, "model": self.llm.model.name, "prompt_len": prompt_len,
@@ -184,6 +187,7 @@ class Bench:
                "measured/predicted": st.generation_throughput / pred.throughput,
                "decode_bound_s": bound, "decode/bound": st.decode_s / bound if bound else None,
                "decode/link_bound": st.decode_s / link if link else None, "decode_host_bound_s": host,
+               "decode_cpu_attention_bound_s": lane,
                "pcie_bound_s": pcie, **link_use(td, st.decode_s), "decode_alloc_retries": td.get("alloc_retries"),
                "traffic_prefill": st.traffic_prefill, "traffic_decode": td,
                "peak_bytes": st.peak_bytes, "peak_gpu_GiB": st.peak_bytes.get("gpu", 0) / gib,

@@ -23,7 +23,7 @@ Names follow the FlexGen paper:
 | mm_flops, bmm_flops | GPU matmul and batched-matmul FLOP/s (p: prefill shapes, at the model's hidden size where measured; g: decode) |
 | E, gpu_mem_bdw | a layer's elementwise bytes per token (norms, residuals, activations, head moves) over the device's rate for them (not in FlexGen) |
 | cpu_flops, cpu_attn_bdw | CPU attention FLOP/s, and the KV bytes/s it reads |
-| cpu_mem_bdw | host memory bytes/s that the link's copies and CPU attention's reads share (decode pairs with CPU attention; not in FlexGen) |
+| cpu_mem_bdw | bytes/s of a host memcpy (read plus write); host memory serves the link's copies and CPU attention's reads together at HOST_READ_OVER_MEMCPY times it (decode pairs; not in FlexGen) |
 | ctog, gtoc, dtoc, ctod, comp | a layer's seconds of each transfer, and of compute |
 | host, host_step_s, packed_host_step_s, lora_host_step_s | a layer's seconds of host work: one engine step per GPU batch (with 4-bit weights, the packed step), and what LoRA adds to a step; over a decode pair, combined with the link's seconds as a norm (HOST_WEIGHT, HOST_NORM) (not in FlexGen) |
 | lora_W, lora_F | LoRA: bytes of the adapters a block uses on every linear, and delta FLOPs per token (not in FlexGen); held on the GPU beside resident weights, else paged with each layer's weights (link traffic, a page per weight slot); every adapter of the job also in host memory |
@@ -45,9 +45,17 @@ from flexoff.policy.policy import (GPU_RESERVE, act_load_slots, cache_slots, kee
 from flexoff.quant.sizes import kv_config, kv_record_bytes, layer_bytes, tensor_bytes, weight_config
 
 VARS = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd")
-# the largest share of a decode that the engine's CPU attention lane was busy where it bound
-# (0.88-0.89: OPT-30B, 12x6 and 24x3 with (nearly) all of the cache in CPU memory, H200; RESULTS.md)
-CPU_LANE_SHARE = 0.9
+# the largest share of a decode that the engine's CPU attention lane was busy where it bound:
+# 0.88-0.89 on the H200 (OPT-30B, 12x6 and 24x3 with (nearly) all of the cache in CPU memory), and
+# since the engine holds its stores and keeps token steps on the GPU, 0.93 and 0.96 on H100s
+# (OPT-30B 24x3; benchmarks/RESULTS.md, 2026-11-27, seventh and tenth sessions)
+CPU_LANE_SHARE = 0.96
+# host memory serves reads alone (the link's copies out of it, CPU attention's cache reads) at up
+# to this multiple of cpu_mem_bdw, a memcpy's read-plus-write rate: the copy's write first reads
+# its destination line, so it makes three bytes of traffic for the two it counts. OPT-30B's
+# CPU-attention decodes on H100s read up to 1.25x the memcpy rate (24x3: 95.6 GB/s where the
+# profile's memcpy moved 76.3; the link and CPU attention each ran at its own profiled rate)
+HOST_READ_OVER_MEMCPY = 1.5
 # seconds of the CPU attention lane per call (one GPU batch of one attention layer) beyond its
 # reads: the hand-off, the copies in and out of the pinned buffers, the thread's Python. Fitted:
 # OPT-30B's five CPU-attention decodes on H100s kept the lane busy 0.7-1.5 ms a call (median
@@ -278,8 +286,7 @@ class CostModel:
         layer's GPU work and copies when the block has several GPU batches (`cpu_comp`; the
         lane waits for each batch's queries, so it is busy CPU_LANE_SHARE of the pair at most); and
         host memory (`cpu_mem`), which the link's copies out of it and CPU attention's reads
-        share: on the H200 machine that sum, at the profile's `cpu_mem_bdw`, is what OPT-30B's
-        CPU-attention policies decode at (benchmarks/RESULTS.md). With the GPU attending over
+        share, at HOST_READ_OVER_MEMCPY times the profile's `cpu_mem_bdw`. With the GPU attending over
         staged rows of several GPU batches (overlap on), the link and host memory terms alike.
         The host's work for the pair's steps, weighted by HOST_WEIGHT (for the LP a bound the
         pair keeps; pair_pool combines it with the link's). Where the GPU attends over staged
@@ -299,7 +306,8 @@ class CostModel:
         reads = disk / self.dtoc_bdw  # under GPU attention read one step ahead: added to the link's
         read, sec = self.cpu_attention(x) if self.ch.cpu_cache_compute else (0, 0)
         out = {"ctog": link + (reads if self.staged_pool else 0), "dtoc": attn["dtoc"] + mlp["dtoc"] + reads,
-               "cpu_mem": (link * rate + read) / hw.cpu_mem_bdw, "host": HOST_WEIGHT * (attn["host"] + mlp["host"])}
+               "cpu_mem": (link * rate + read) / (HOST_READ_OVER_MEMCPY * hw.cpu_mem_bdw),
+               "host": HOST_WEIGHT * (attn["host"] + mlp["host"])}
         if self.cpu_pooled:
             out["cpu_comp"] = sec / CPU_LANE_SHARE
             nb = self.ch.num_gpu_batches  # what the link waits beyond its bytes (CPU_CALL_EXPOSED)

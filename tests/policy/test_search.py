@@ -417,8 +417,8 @@ def test_whole_rows_rounded_to_the_faster_neighbour():
 
 def test_cpu_attention_is_priced_over_the_attention_and_mlp_pair():
     """With CPU attention and several GPU batches, a decode (attn, mlp) pair takes at least the
-    host memory that the link's copies out of it and CPU attention's cache reads move, at the
-    profile's cpu_mem_bdw, and at least the CPU attention over the lane's busy share; neither is
+    host memory that the link's copies out of it and CPU attention's cache reads move, at
+    HOST_READ_OVER_MEMCPY times the profile's cpu_mem_bdw, and at least the CPU attention over the lane's busy share; neither is
     added to the attention layer alone. The bytes come from transformers' own OPT decoder layer
     (weights all in CPU memory, the cache all in CPU memory), not from the cost model."""
     import dataclasses
@@ -428,7 +428,7 @@ def test_cpu_attention_is_priced_over_the_attention_and_mlp_pair():
     from transformers import OPTConfig
     from transformers.models.opt.modeling_opt import OPTDecoderLayer
 
-    from flexoff.policy.cost_model import CPU_ATTN_CALL_S, CPU_LANE_SHARE
+    from flexoff.policy.cost_model import CPU_ATTN_CALL_S, CPU_LANE_SHARE, HOST_READ_OVER_MEMCPY
     from flexoff.policy.hardware import load
 
     s = spec("opt-30b")
@@ -448,7 +448,7 @@ def test_cpu_attention_is_priced_over_the_attention_and_mlp_pair():
 
     slow_memory = dataclasses.replace(hw, cpu_mem_bdw=1e9)
     got = CostModel(s, slow_memory, W512, Choice(gbs, k, cpu_cache_compute=True)).evaluate(x)
-    assert pairs(got) == pytest.approx((n - 1) * layers * (link + cache) / 1e9, rel=1e-6)
+    assert pairs(got) == pytest.approx((n - 1) * layers * (link + cache) / (HOST_READ_OVER_MEMCPY * 1e9), rel=1e-6)
     assert got.bottleneck == "cpu_mem (attn, mlp pairs)"
 
     slow_cpu = dataclasses.replace(hw, cpu_attn_bdw=2e9)
