@@ -120,3 +120,29 @@ def test_gpu_only_benchmarks_say_so_without_cuda(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "layer_gemm.py"), "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert done.returncode == 2 and "no CUDA device" in done.stderr and not list(tmp_path.iterdir())
+
+
+def test_cpu_lane_runs_each_batch_size_and_fits_the_lane(tmp_path):
+    """benchmarks/cpu_lane.py on a tiny OPT cut to two blocks: one run per (GPU batch size, weights
+    placement), calls per pair = GPU batches, each call's bytes those of its rows' keys and values
+    over the decode's average context; and its fit recovers a known line."""
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_lane.py"), "--model", "dummy:opt-125m",
+                           "--layers", "2", "--block", "4", "--gbs", "2,4", "--prompt-len", "32", "--gen-len", "4",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(l) for l in (tmp_path / "cpu-lane.jsonl").read_text().splitlines()]
+    assert sorted((r["rows"], r["weights"]) for r in rows) == [(2, "cpu"), (2, "gpu"), (4, "cpu"), (4, "gpu")]
+    contexts = [32 + t for t in range(1, 4)]  # the three decode steps' keys and values, float32 on the CPU
+    for r in rows:
+        assert r["calls_per_pair"] == pytest.approx(4 / r["rows"])
+        assert r["MB_per_call"] * 1e6 == pytest.approx(r["rows"] * 768 * 2 * 4 * sum(contexts) / 3, rel=1e-6)
+        assert r["lane_ms_per_call"] > 0 and r["record"]["decode_s"] > 0
+    assert set(json.loads((tmp_path / "cpu-lane-fit.json").read_text())) == {"cpu", "gpu"}
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from cpu_lane import fit
+
+    line = [{"MB_per_call": mb, "lane_ms_per_call": 0.4 + mb * 1e6 / 50e9 * 1e3} for mb in (60, 120, 360)]
+    got = fit(line)
+    assert got["fixed_ms"] == pytest.approx(0.4) and got["rate_GBps"] == pytest.approx(50)
+    assert fit(line[:1]) is None
