@@ -57,11 +57,13 @@ CPU_LANE_SHARE = 0.96
 # profile's memcpy moved 76.3; the link and CPU attention each ran at its own profiled rate)
 HOST_READ_OVER_MEMCPY = 1.5
 # seconds of the CPU attention lane per call (one GPU batch of one attention layer) beyond its
-# reads: the hand-off, the copies in and out of the pinned buffers, the thread's Python. Fitted:
-# OPT-30B's five CPU-attention decodes on H100s kept the lane busy 0.7-1.5 ms a call (median
-# 1.04) beyond what cpu_attn_bdw prices (4x20: 20 calls a pair, 39.7 ms busy where 25.5 were
-# priced; benchmarks/RESULTS.md, seventh session of 2026-11-27)
-CPU_ATTN_CALL_S = 1.0e-3
+# reads: the hand-off, the copies in and out of the pinned buffers, the thread's Python. Measured
+# by benchmarks/cpu_lane.py on an H100 (OPT-30B cut to 8 blocks, the cache in CPU memory, calls of
+# 4 to 48 rows): 0.42 ms a call plus its bytes at 48.1 GB/s with the link busy, 0.30 ms plus 57.0
+# with it idle (benchmarks/RESULTS.md, tenth session of 2026-11-27). It was 1 ms, fitted to five
+# decodes whose profiles took the CPU attention rate after the engine probes, four of them before
+# token steps kept their hidden states on the GPU
+CPU_ATTN_CALL_S = 0.4e-3
 # the share of the page cache's read rate (dtoc_cached_bdw, measured alone) that disk reads get
 # beside CPU attention, whose threads read host memory at the same time: 3.3-3.7 GB/s of 6.0-7.5
 # in three OPT-30B decodes on two H100 machines (24x3 and 32x2 cache rows, 4x20 weights)
