@@ -96,7 +96,7 @@ def test_the_search_keeps_inference_within_the_bound_and_trains_more_under_a_loo
     best = search(s, HW, work, budget)[0].prediction.throughput
     got = {}
     # a block that takes windows of 8 rows runs its inference in small GPU batches, whose CPU
-    # attention calls cost CPU_ATTN_CALL_S each: here no such plan is within 37% of inference alone
+    # attention calls cost CPU_ATTN_CALL_S each: such plans keep less than inference alone
     for limit in (0.4, 0.6, 0.7):
         top = search_coserve(s, HW, work, budget, 512, window_rows=8, limit=limit, max_windows=4)[0]
         assert top.standalone_tps == pytest.approx(best)
