@@ -46,15 +46,15 @@ from flexoff.quant.sizes import kv_config, kv_record_bytes, layer_bytes, tensor_
 
 VARS = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd")
 # the largest share of a decode that the engine's CPU attention lane was busy where it bound:
-# 0.88-0.89 on the H200 (OPT-30B, 12x6 and 24x3 with (nearly) all of the cache in CPU memory), and
-# since the engine holds its stores and keeps token steps on the GPU, 0.93 and 0.96 on H100s
-# (OPT-30B 24x3; benchmarks/RESULTS.md, 2026-11-27, seventh and tenth sessions)
+# 0.88-0.89 on the H200 (OPT-30B, 12x6 and 24x3 with (nearly) all of the cache in CPU memory),
+# 0.93 and 0.96 on H100s (OPT-30B 24x3 at 8bcc5d5 and 800e76b; benchmarks/RESULTS.md, 2026-11-27)
 CPU_LANE_SHARE = 0.96
-# host memory serves reads alone (the link's copies out of it, CPU attention's cache reads) at up
-# to this multiple of cpu_mem_bdw, a memcpy's read-plus-write rate: the copy's write first reads
-# its destination line, so it makes three bytes of traffic for the two it counts. OPT-30B's
-# CPU-attention decodes on H100s read up to 1.25x the memcpy rate (24x3: 95.6 GB/s where the
-# profile's memcpy moved 76.3; the link and CPU attention each ran at its own profiled rate)
+# host memory serves reads alone (the link's copies out of it, CPU attention's cache reads) faster
+# than cpu_mem_bdw, a memcpy's rate counting each byte read and written: OPT-30B's CPU-attention
+# decodes on an H100 read 1.25x it (24x3: 95.6 GB/s where the profile's memcpy moved 76.3) with
+# the link and CPU attention each at its own profiled rate, so not at a limit. An estimate of the
+# limit, not a measurement: a copy whose writes first read their lines moves three bytes for the
+# two it counts
 HOST_READ_OVER_MEMCPY = 1.5
 # seconds of the CPU attention lane per call (one GPU batch of one attention layer) beyond its
 # reads: the hand-off, the copies in and out of the pinned buffers, the thread's Python. Measured
