@@ -122,7 +122,7 @@ def test_gpu_only_benchmarks_say_so_without_cuda(tmp_path):
     assert done.returncode == 2 and "no CUDA device" in done.stderr and not list(tmp_path.iterdir())
 
 
-def test_cpu_lane_runs_each_batch_size_and_fits_the_lane(tmp_path):
+def test_cpu_lane_runs_each_batch_size_and_fits_the_lane(tmp_path, monkeypatch):
     """benchmarks/cpu_lane.py on a tiny OPT cut to two blocks: one run per (GPU batch size, weights
     placement), calls per pair = GPU batches, each call's bytes those of its rows' keys and values
     over the decode's average context; and its fit recovers a known line."""
@@ -139,7 +139,7 @@ def test_cpu_lane_runs_each_batch_size_and_fits_the_lane(tmp_path):
         assert r["lane_ms_per_call"] > 0 and r["record"]["decode_s"] > 0
     assert set(json.loads((tmp_path / "cpu-lane-fit.json").read_text())) == {"cpu", "gpu"}
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     from cpu_lane import fit
 
     line = [{"MB_per_call": mb, "lane_ms_per_call": 0.4 + mb * 1e6 / 50e9 * 1e3} for mb in (60, 120, 360)]

@@ -418,8 +418,8 @@ def test_whole_rows_rounded_to_the_faster_neighbour():
 def test_cpu_attention_is_priced_over_the_attention_and_mlp_pair():
     """With CPU attention and several GPU batches, a decode (attn, mlp) pair takes at least the
     host memory that the link's copies out of it and CPU attention's cache reads move, at
-    HOST_READ_OVER_MEMCPY times the profile's cpu_mem_bdw, and at least the CPU attention over the lane's busy share; neither is
-    added to the attention layer alone. The bytes come from transformers' own OPT decoder layer
+    HOST_READ_OVER_MEMCPY times the profile's cpu_mem_bdw, and at least the CPU attention over
+    the lane's busy share; neither is added to the attention layer alone. The bytes come from transformers' own OPT decoder layer
     (weights all in CPU memory, the cache all in CPU memory), not from the cost model."""
     import dataclasses
     from pathlib import Path
