@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -48,16 +49,12 @@ def fit(rows: Sequence[dict[str, Any]]) -> dict[str, float] | None:
     rate (bytes/s); None with fewer than two distinct call sizes."""
     xs = [r["MB_per_call"] * 1e6 for r in rows]
     ys = [r["lane_ms_per_call"] / 1e3 for r in rows]
-    n = len(xs)
-    mx, my = sum(xs) / max(n, 1), sum(ys) / max(n, 1)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    if n < 2 or sxx <= 0:
+    if len(set(xs)) < 2:
         return None
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
-    fixed = my - slope * mx
+    slope, fixed = statistics.linear_regression(xs, ys)
     resid = [1e3 * (y - fixed - slope * x) for x, y in zip(xs, ys)]
     return {"fixed_ms": 1e3 * fixed, "rate_GBps": 1 / slope / 1e9 if slope > 0 else None,
-            "runs": n, "max_abs_residual_ms": max(abs(r) for r in resid)}
+            "runs": len(xs), "max_abs_residual_ms": max(abs(r) for r in resid)}
 
 
 def report(rows: Sequence[dict[str, Any]], out: Path | None) -> dict[str, Any]:

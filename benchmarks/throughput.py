@@ -155,7 +155,7 @@ class Bench:
 
     def _measure(self, label: str, policy: Any, prompt_len: int, gen_len: int, num_prompts: int | None,
                  kind: str) -> dict[str, Any]:
-        from flexoff.policy.cost_model import HOST_READ_OVER_MEMCPY, Workload
+        from flexoff.policy.cost_model import Workload, host_read_bdw
 
         spec = self.llm.model.spec
         n = num_prompts or policy.block_size
@@ -173,7 +173,7 @@ class Bench:
         td = st.traffic_decode
         link = td.get("h2d", 0) / self.hw.ctog_bdw
         # host memory: what the link copies out of it and CPU attention reads, at the model's rate for reads
-        host = (td.get("h2d", 0) + td.get("cpu_attention", 0)) / (HOST_READ_OVER_MEMCPY * self.hw.cpu_mem_bdw)
+        host = (td.get("h2d", 0) + td.get("cpu_attention", 0)) / host_read_bdw(self.hw)
         lane = td.get("cpu_attention", 0) / self.hw.cpu_attn_bdw
         bound = max(link, host, lane)
         pcie = (st.traffic_prefill.get("h2d", 0) + td.get("h2d", 0)) / self.hw.ctog_bdw

@@ -89,6 +89,11 @@ CPU_CALL_EXPOSED = 0.15
 KINDS = ("embed", "attn", "mlp", "head")
 
 
+def host_read_bdw(hw: Hardware) -> float:
+    """Bytes/s at which host memory serves the link's copies and CPU attention's reads together."""
+    return HOST_READ_OVER_MEMCPY * hw.cpu_mem_bdw
+
+
 @dataclass(frozen=True)
 class Workload:
     prompt_len: int  # s
@@ -308,7 +313,7 @@ class CostModel:
         reads = disk / self.dtoc_bdw  # under GPU attention read one step ahead: added to the link's
         read, sec = self.cpu_attention(x) if self.ch.cpu_cache_compute else (0, 0)
         out = {"ctog": link + (reads if self.staged_pool else 0), "dtoc": attn["dtoc"] + mlp["dtoc"] + reads,
-               "cpu_mem": (link * rate + read) / (HOST_READ_OVER_MEMCPY * hw.cpu_mem_bdw),
+               "cpu_mem": (link * rate + read) / host_read_bdw(hw),
                "host": HOST_WEIGHT * (attn["host"] + mlp["host"])}
         if self.cpu_pooled:
             out["cpu_comp"] = sec / CPU_LANE_SHARE
