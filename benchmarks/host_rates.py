@@ -1,5 +1,6 @@
 """The profile's host rates, call by call: CPU attention (contended by host-to-device copies, as
-`flexoff profile` measures it) and a host memcpy, in a fresh process, again after the rest of the
+`flexoff profile` measures it), a host memcpy, and host memory's joint read rate (the link's
+copies and CPU attention streaming at once, per window), in a fresh process, again after the rest of the
 machine's rates (links, disk, GPU matmuls), and again after the engine probes that `flexoff
 profile` runs (host steps and the decode link rate), all in one process.
 
@@ -23,7 +24,7 @@ from typing import Any
 
 from common import environment, table, write_jsonl
 
-from flexoff.policy.hardware import cpu_attention_samples, host_copy_samples, measure
+from flexoff.policy.hardware import cpu_attention_samples, host_copy_samples, joint_read_samples, measure
 from flexoff.profiler import engine_probes
 
 COPY_BYTES = 512 << 20  # as the profile's copy on a GPU machine
@@ -35,7 +36,10 @@ def rounds(phase: str, n: int, quick: bool) -> list[dict[str, Any]]:
     for r in range(n):
         kv_bytes, _, secs = cpu_attention_samples(quick)
         copies = host_copy_samples(nbytes)
-        out.append({"phase": phase, "round": r,
+        joint = joint_read_samples(quick)  # (link, CPU attention) bytes/s per window; none without CUDA
+        out.append({"joint_GBps": statistics.median(a + b for a, b in joint) / 1e9 if joint else None,
+                    "joint_windows_GBps": [(round(a / 1e9, 2), round(b / 1e9, 2)) for a, b in joint],
+                    "phase": phase, "round": r,
                     "cpu_attn_GBps": kv_bytes / statistics.median(secs) / 1e9,
                     "cpu_attn_call_ms": [round(t * 1e3, 4) for t in secs],
                     "cpu_attn_min_max_ms": f"{min(secs) * 1e3:.1f}-{max(secs) * 1e3:.1f}",
@@ -59,7 +63,8 @@ def main() -> int:
     rows += rounds("after the GPU's rates", args.rounds, args.quick)
     probes = engine_probes(quick=args.quick)
     rows += rounds("after engine probes", args.rounds, args.quick)
-    print(table(rows, ["phase", "round", "cpu_attn_GBps", "cpu_attn_min_max_ms", "cpu_mem_GBps", "copy_min_max_ms"]))
+    print(table(rows, ["phase", "round", "cpu_attn_GBps", "cpu_attn_min_max_ms", "cpu_mem_GBps", "copy_min_max_ms",
+                      "joint_GBps", "joint_windows_GBps"]))
     env = environment()
     write_jsonl(args.out / "host-rates.jsonl", [{**env, **r, "probes": probes} for r in rows])
     return 0

@@ -90,8 +90,9 @@ KINDS = ("embed", "attn", "mlp", "head")
 
 
 def host_read_bdw(hw: Hardware) -> float:
-    """Bytes/s at which host memory serves the link's copies and CPU attention's reads together."""
-    return HOST_READ_OVER_MEMCPY * hw.cpu_mem_bdw
+    """Bytes/s at which host memory serves the link's copies and CPU attention's reads together:
+    the profile's measurement where it has one, else HOST_READ_OVER_MEMCPY times cpu_mem_bdw."""
+    return hw.host_read_bdw or HOST_READ_OVER_MEMCPY * hw.cpu_mem_bdw
 
 
 @dataclass(frozen=True)

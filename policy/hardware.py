@@ -22,9 +22,10 @@ import platform
 import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import psutil
 import torch
@@ -33,7 +34,7 @@ from flexoff.errors import FlexoffError
 
 GB = 1e9
 UNMEASURED_ZERO = ("host_step_s", "lora_host_step_s", "packed_host_step_s", "gpu_mem_bdw", "decode_ctog_bdw",
-                   "dtoc_cached_bdw")  # fields that may be 0
+                   "dtoc_cached_bdw", "host_read_bdw")  # fields that may be 0
 # Host-side rates vary from call to call far more than the link's: on one H100 host, single
 # contended CPU-attention calls took 10-39 ms where most took 10-11, and 25 profiles of one day
 # (medians of three calls, measured after the engine probes and the GPU's rates) gave 18-55 GB/s while the engine's
@@ -41,6 +42,7 @@ UNMEASURED_ZERO = ("host_step_s", "lora_host_step_s", "packed_host_step_s", "gpu
 # the host's rates measured first (flexoff.profiler runs this before its engine probes).
 CPU_ATTENTION_SAMPLES = 11
 CPU_COPY_SAMPLES = 7
+JOINT_READ_WINDOWS = 3
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,9 @@ class Hardware:
     # bytes/s disk -> host of a file the page cache holds (read again just after it was read);
     # 0: unmeasured (dtoc_bdw)
     dtoc_cached_bdw: float = 0.0
+    # bytes/s host memory serves the link's copies and CPU attention's reads together, both
+    # streaming at once; 0: unmeasured (the cost model's estimate from cpu_mem_bdw)
+    host_read_bdw: float = 0.0
 
     def step_host_s(self, compress_weight: bool) -> float:
         """Seconds of host work per engine step of a policy with or without 4-bit weights (a
@@ -250,6 +255,7 @@ def measure(offload_dir: str | None = None, size: int = 512 << 20, quick: bool =
     if not cuda or quick:
         size = min(size, (16 if quick else 128) << 20)
     cpu_attn, cpu_flops = _cpu_attention(quick)  # the host's rates before anything else has run
+    joint = _joint_reads(quick)
     cpu_mem = host_copy_bandwidth(size)[0]
     deq, cpu_deq = _dequant(dev, quick)
     host = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
@@ -284,7 +290,7 @@ def measure(offload_dir: str | None = None, size: int = 512 << 20, quick: bool =
                     ctod_bdw_cache=dwrite, ctod_bdw_hidden=dwrite, mm_flops_p=mm_p, mm_flops_g=mm_g,
                     bmm_flops_p=bmm_p, bmm_flops_g=bmm_g, cpu_flops=cpu_flops, cpu_attn_bdw=cpu_attn,
                     cpu_mem_bdw=cpu_mem, dequant_bdw=deq, cpu_dequant_bdw=cpu_deq, mm_flops_p_layers=layers,
-                    gpu_mem_bdw=_elementwise(dev, dtype, sync, quick))
+                    gpu_mem_bdw=_elementwise(dev, dtype, sync, quick), host_read_bdw=joint)
 
 
 def layer_projections(h: int) -> tuple[tuple[str, int, int], ...]:
@@ -374,15 +380,10 @@ def _cpu_attention(quick: bool = False) -> tuple[float, float]:
     return kv_bytes / t, flops / t
 
 
-def cpu_attention_samples(quick: bool = False, repeat: int = CPU_ATTENTION_SAMPLES) -> tuple[int, int, list[float]]:
-    """The KV bytes and FLOPs of one call of decode attention on the CPU through the engine's call
-    (attend_cached: the compiled kernel where it builds) over head-major rows, a prompt area and
-    a generated one, at a size well past the CPU caches. On a GPU machine it runs on the engine's
-    CPU-attention threads and is timed while host-to-device copies stream, as in offloaded
-    decoding, where weight transfers and CPU attention share host memory bandwidth (on an H200
-    host this halved torch's rate: 60.7 GB/s alone, 31.7 GB/s in the engine), and the seconds of
-    each of `repeat` calls after a warm-up."""
-    from flexoff.kernels.cpu_attention import cpu_attention_threads
+def _attention_call(quick: bool = False) -> tuple[Callable[[], Any], int, int]:
+    """One call of decode attention on the CPU through the engine's call (attend_cached: the
+    compiled kernel where it builds) over head-major rows, a prompt area and a generated one, at a
+    size well past the CPU caches; with its KV bytes and FLOPs."""
     from flexoff.models.attention import attend_cached
 
     b, heads, d, s = (32, 32, 128, 1024) if not quick else (4, 8, 64, 128)
@@ -395,7 +396,30 @@ def cpu_attention_samples(quick: bool = False, repeat: int = CPU_ATTENTION_SAMPL
     q = torch.randn(b, heads, 1, d, dtype=dtype)
     mask = torch.ones(b, 1, s, dtype=torch.bool)
     fn = lambda: attend_cached(q, (kv[0], kv[1]), (gen[0], gen[1]), (q, q), 0, mask, d**-0.5)  # noqa: E731
-    if cuda and not quick:
+    return fn, 2 * b * heads * s * d * dtype.itemsize, 4 * b * heads * d * s
+
+
+@contextmanager
+def _engine_threads() -> Iterator[None]:
+    """torch's CPU threads set to as many as the engine's CPU attention uses, for the block."""
+    from flexoff.kernels.cpu_attention import cpu_attention_threads
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cpu_attention_threads())
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def cpu_attention_samples(quick: bool = False, repeat: int = CPU_ATTENTION_SAMPLES) -> tuple[int, int, list[float]]:
+    """The KV bytes and FLOPs of one call of decode attention on the CPU (_attention_call). On a
+    GPU machine it runs on the engine's CPU-attention threads and is timed while host-to-device
+    copies stream, as in offloaded decoding, where weight transfers and CPU attention share host
+    memory bandwidth (on an H200 host this halved torch's rate: 60.7 GB/s alone, 31.7 GB/s in the
+    engine), and the seconds of each of `repeat` calls after a warm-up."""
+    fn, kv_bytes, flops = _attention_call(quick)
+    if torch.cuda.is_available() and not quick:
         src = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
         dst = torch.empty(src.numel(), dtype=torch.uint8, device="cuda")
         side = torch.cuda.Stream()
@@ -411,16 +435,64 @@ def cpu_attention_samples(quick: bool = False, repeat: int = CPU_ATTENTION_SAMPL
             side.synchronize()
             return t
 
-        threads = torch.get_num_threads()
-        torch.set_num_threads(cpu_attention_threads())  # as many threads as the engine's
-        try:
+        with _engine_threads():
             fn()  # warm (and build the kernel)
             secs = [contended() for _ in range(repeat)]
-        finally:
-            torch.set_num_threads(threads)
     else:
         secs = _samples(fn, lambda: None, repeat)
-    return 2 * b * heads * s * d * dtype.itemsize, 4 * b * heads * d * s, secs
+    return kv_bytes, flops, secs
+
+
+def joint_read_samples(quick: bool = False, windows: int = JOINT_READ_WINDOWS) -> list[tuple[float, float]]:
+    """Host memory read by the link and by CPU attention at once, as in an offloaded decode whose
+    link and CPU-attention lane are both busy: calls of decode attention (_attention_call, on the
+    engine's threads) run back to back while 64 MiB host-to-device copies out of a 1 GiB pinned
+    buffer stream for about 0.3 s. Over the host-timed span of the calls that end before the
+    copies do, (the copies' bytes/s, the calls' bytes/s): the copies counted are those whose event
+    completed within the span. One pair per window; none without CUDA, or with `quick`."""
+    if quick or not torch.cuda.is_available():
+        return []
+    fn, kv_bytes, _ = _attention_call(quick)
+    chunk, chunks, copies = 64 << 20, 16, 256
+    src = torch.empty(chunk * chunks, dtype=torch.uint8, pin_memory=True)
+    src.fill_(1)
+    dst = torch.empty(chunk, dtype=torch.uint8, device="cuda")
+    side = torch.cuda.Stream()
+    out = []
+    with _engine_threads():
+        fn()  # warm (and build the kernel)
+        for _ in range(windows):
+            done = [torch.cuda.Event() for _ in range(copies)]
+            with torch.cuda.stream(side):
+                for i, ev in enumerate(done):
+                    dst.copy_(src[(i % chunks) * chunk:(i % chunks + 1) * chunk], non_blocking=True)
+                    ev.record()
+            finished = 0
+
+            def count() -> int:
+                nonlocal finished
+                while finished < copies and done[finished].query():
+                    finished += 1
+                return finished
+
+            t0, first, calls, t1, last = time.perf_counter(), count(), 0, 0.0, 0
+            while True:
+                fn()
+                t, n = time.perf_counter(), count()
+                if n == copies:  # the copies ended during this call
+                    break
+                calls, t1, last = calls + 1, t, n
+            side.synchronize()
+            if calls and last > first:
+                out.append(((last - first) * chunk / (t1 - t0), calls * kv_bytes / (t1 - t0)))
+    return out
+
+
+def _joint_reads(quick: bool = False) -> float:
+    """Bytes/s host memory serves the link and CPU attention together: the median window's
+    sum of joint_read_samples; 0.0 where unmeasured."""
+    samples = joint_read_samples(quick)
+    return _median(a + b for a, b in samples) if samples else 0.0
 
 
 def _dequant(dev: torch.device, quick: bool = False) -> tuple[float, float]:
