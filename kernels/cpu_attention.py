@@ -2,7 +2,8 @@
 beside the torch reference (flexoff.models.attention.attend_cached's math) behind one dispatch.
 
 Knows: how to build `cpu_attention.cpp` with torch's C++ extension tooling (once per machine,
-CPU and torch version, cached under flexoff's cache directory) and when to fall back to torch.
+CPU and torch version, cached under flexoff's cache directory; a build killed half-way does not
+block the next) and when to fall back to torch.
 The kernel reads each kv head's keys and values once for all the query heads that share it,
 converting 16-bit values to float32 in registers; torch's batched matmuls over the same views
 read the cache at well under the host's memory rate at decode's small batches (measured in
@@ -14,6 +15,7 @@ FLEXOFF_CPU_KERNEL=0 turns the kernel off (the torch path runs), for comparisons
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import platform
@@ -57,8 +59,13 @@ def build(verbose: bool = False) -> bool:
 
             where = cache_dir() / "kernels" / f"cpu-attention-{_cpu_key()}"
             where.mkdir(parents=True, exist_ok=True)
-            cpp_extension.load(name="flexoff_cpu_attention", sources=[str(SOURCE)], build_directory=str(where),
-                               extra_cflags=list(CFLAGS), is_python_module=False, verbose=verbose)
+            with open(where / "build.flock", "a") as held:
+                # one build at a time across processes; the OS lets go of a killed process's
+                # lock, where torch's lock file stays and every later load waits on it forever
+                fcntl.flock(held, fcntl.LOCK_EX)
+                (where / "lock").unlink(missing_ok=True)
+                cpp_extension.load(name="flexoff_cpu_attention", sources=[str(SOURCE)], build_directory=str(where),
+                                   extra_cflags=list(CFLAGS), is_python_module=False, verbose=verbose)
             _state["ok"] = True
         except Exception as exc:  # noqa: BLE001 - any failure means: use the torch path
             last = (str(exc).strip().splitlines() or [""])[-1]  # a compiler's last line says most

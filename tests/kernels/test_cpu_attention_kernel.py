@@ -78,3 +78,27 @@ def test_a_failed_build_warns_once_and_torch_runs(monkeypatch):
     ref = brute_force(q.double(), torch.cat([kp, kg[:, :, :1]], 2).double(), torch.cat([vp, vg[:, :, :1]], 2).double(),
                       mask, 0.25)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_a_killed_build_does_not_block_the_next(monkeypatch, tmp_path):
+    """A process killed while building leaves torch's lock file in the build folder, and torch's
+    loader waits on it forever: the next build goes on (its load sees no lock)."""
+    import os
+
+    from torch.utils import cpp_extension
+    from torch.utils.file_baton import FileBaton
+
+    seen = []
+
+    def load(name, sources, build_directory, **kwargs):
+        baton = FileBaton(os.path.join(build_directory, "lock"))  # as torch's loader takes it
+        seen.append(baton.try_acquire())
+        baton.release()
+
+    monkeypatch.setenv("FLEXOFF_CACHE", str(tmp_path))
+    monkeypatch.setattr(ck, "_state", {})
+    monkeypatch.setattr(cpp_extension, "load", load)
+    where = tmp_path / "kernels" / f"cpu-attention-{ck._cpu_key()}"
+    where.mkdir(parents=True)
+    (where / "lock").touch()  # left by the killed build
+    assert ck.build() and seen == [True]
