@@ -13,9 +13,9 @@ Records go to OUT/throughput.jsonl; the frontier plot to OUT/frontier.png.
 
 A run's decode bound is the largest of the link's bytes at the profile's `ctog_bdw`, CPU
 attention's reads at its `cpu_attn_bdw`, and the host memory's: the bytes the link copies out of
-it plus those CPU attention reads, at the cost model's rate for reads (HOST_READ_OVER_MEMCPY times
-`cpu_mem_bdw`). Records before 2026-11-27's tenth session took the host memory's at `cpu_mem_bdw`
-and no CPU attention term.
+it plus those CPU attention reads, at the cost model's rate for reads (the profile's measured
+`host_read_bdw`, else HOST_READ_OVER_MEMCPY times `cpu_mem_bdw`). Records before 2026-11-27's tenth
+session took the host memory's at `cpu_mem_bdw` and no CPU attention term.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ Names follow the FlexGen paper:
 | mm_flops, bmm_flops | GPU matmul and batched-matmul FLOP/s (p: prefill shapes, at the model's hidden size where measured; g: decode) |
 | E, gpu_mem_bdw | a layer's elementwise bytes per token (norms, residuals, activations, head moves) over the device's rate for them (not in FlexGen) |
 | cpu_flops, cpu_attn_bdw | CPU attention FLOP/s, and the KV bytes/s it reads |
-| cpu_mem_bdw | bytes/s of a host memcpy (read plus write); host memory serves the link's copies and CPU attention's reads together at HOST_READ_OVER_MEMCPY times it (decode pairs; not in FlexGen) |
+| cpu_mem_bdw, host_read_bdw | bytes/s of a host memcpy (read plus write); host memory serves the link's copies and CPU attention's reads together at the profile's measured host_read_bdw, else at HOST_READ_OVER_MEMCPY times cpu_mem_bdw (decode pairs; not in FlexGen) |
 | ctog, gtoc, dtoc, ctod, comp | a layer's seconds of each transfer, and of compute |
 | host, host_step_s, packed_host_step_s, lora_host_step_s | a layer's seconds of host work: one engine step per GPU batch (with 4-bit weights, the packed step), and what LoRA adds to a step; over a decode pair, combined with the link's seconds as a norm (HOST_WEIGHT, HOST_NORM) (not in FlexGen) |
 | lora_W, lora_F | LoRA: bytes of the adapters a block uses on every linear, and delta FLOPs per token (not in FlexGen); held on the GPU beside resident weights, else paged with each layer's weights (link traffic, a page per weight slot); every adapter of the job also in host memory |
@@ -54,7 +54,8 @@ CPU_LANE_SHARE = 0.96
 # decodes on an H100 read 1.25x it (24x3: 95.6 GB/s where the profile's memcpy moved 76.3) with
 # the link and CPU attention each at its own profiled rate, so not at a limit. An estimate of the
 # limit, not a measurement: a copy whose writes first read their lines moves three bytes for the
-# two it counts
+# two it counts. Used where the profile has no host_read_bdw (measured since 2026-11-27's eleventh
+# session: 100.3 GB/s on an H100 host whose memcpy moved 94.2)
 HOST_READ_OVER_MEMCPY = 1.5
 # seconds of the CPU attention lane per call (one GPU batch of one attention layer) beyond its
 # reads: the hand-off, the copies in and out of the pinned buffers, the thread's Python. Measured
@@ -294,9 +295,9 @@ class CostModel:
         layer's GPU work and copies when the block has several GPU batches (`cpu_comp`; the
         lane waits for each batch's queries, so it is busy CPU_LANE_SHARE of the pair at most); and
         host memory (`cpu_mem`), which the link's copies out of it and CPU attention's reads
-        share, at HOST_READ_OVER_MEMCPY times the profile's `cpu_mem_bdw`. With the GPU attending over
-        staged rows of several GPU batches (overlap on), the link and host memory terms alike.
-        The host's work for the pair's steps, weighted by HOST_WEIGHT (for the LP a bound the
+        share, at host_read_bdw (the profile's measurement, else HOST_READ_OVER_MEMCPY times
+        `cpu_mem_bdw`). With the GPU attending over staged rows of several GPU batches (overlap
+        on), the link and host memory terms alike. The host's work for the pair's steps, weighted by HOST_WEIGHT (for the LP a bound the
         pair keeps; pair_pool combines it with the link's). Where the GPU attends over staged
         rows, their disk reads add to the link's time: rows load one step ahead only, and a
         step's compute waits on the host for its rows' read (OPT-30B 4-bit 48x10 with 8% of the

@@ -3,7 +3,8 @@
 Knows: the fields of a profile (memory sizes, link and disk bandwidths, GPU
 matmul and batched-matmul throughput at prefill and decode shapes, prefill
 matmuls at a transformer layer's shapes by hidden size, the device's
-elementwise pass rate, CPU attention and dequantization rates, the host's
+elementwise pass rate, CPU attention and dequantization rates, host memory's
+rate for the link's copies and CPU attention's reads together, the host's
 time per engine step), two
 presets (`flexgen-t4`, the constants FlexGen fitted for its T4 machine, and
 `h200`, from the device's measured constants), measuring one on this machine

@@ -417,8 +417,9 @@ def test_whole_rows_rounded_to_the_faster_neighbour():
 
 def test_cpu_attention_is_priced_over_the_attention_and_mlp_pair():
     """With CPU attention and several GPU batches, a decode (attn, mlp) pair takes at least the
-    host memory that the link's copies out of it and CPU attention's cache reads move, at
-    HOST_READ_OVER_MEMCPY times the profile's cpu_mem_bdw, and at least the CPU attention over
+    host memory that the link's copies out of it and CPU attention's cache reads move, at the
+    profile's host_read_bdw where it measured it, else HOST_READ_OVER_MEMCPY times its
+    cpu_mem_bdw, and at least the CPU attention over
     the lane's busy share; neither is added to the attention layer alone. The bytes come from transformers' own OPT decoder layer
     (weights all in CPU memory, the cache all in CPU memory), not from the cost model."""
     import dataclasses
@@ -450,6 +451,9 @@ def test_cpu_attention_is_priced_over_the_attention_and_mlp_pair():
     got = CostModel(s, slow_memory, W512, Choice(gbs, k, cpu_cache_compute=True)).evaluate(x)
     assert pairs(got) == pytest.approx((n - 1) * layers * (link + cache) / (HOST_READ_OVER_MEMCPY * 1e9), rel=1e-6)
     assert got.bottleneck == "cpu_mem (attn, mlp pairs)"
+    measured = dataclasses.replace(slow_memory, host_read_bdw=2e9)  # the profile measured the two together
+    got = CostModel(s, measured, W512, Choice(gbs, k, cpu_cache_compute=True)).evaluate(x)
+    assert pairs(got) == pytest.approx((n - 1) * layers * (link + cache) / 2e9, rel=1e-6)
 
     slow_cpu = dataclasses.replace(hw, cpu_attn_bdw=2e9)
     got = CostModel(s, slow_cpu, W512, Choice(gbs, k, cpu_cache_compute=True)).evaluate(x)
