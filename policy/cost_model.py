@@ -233,7 +233,7 @@ class CostModel:
             for stage in ("p", "g"):
                 tok = s if stage == "p" else 1  # tokens per sequence this step
                 act = 0.0 if stage == "g" and self.keep_steps else bls * tok * self.A
-                link = hw.ctog_bdw if stage == "p" else hw.decode_link_bdw()
+                link = hw.ctog_bdw if stage == "p" else hw.decode_link_bdw(cpu_attn)
                 t = {  # streamed weights bring the block's LoRA pages of the layer along
                     "ctog": ((x["wc"] + x["wd"]) * (W + self.lora_layer[k]) + (x["hc"] + x["hd"]) * act * h_in)
                     / link,
@@ -310,7 +310,7 @@ class CostModel:
         hw = self.hw
         disk, rows = self.staged_bytes(x)
         attn, mlp = terms[("g", "attn")], terms[("g", "mlp")]
-        rate = hw.decode_link_bdw()
+        rate = hw.decode_link_bdw(self.ch.cpu_cache_compute)
         link = attn["ctog"] + mlp["ctog"] + rows / rate
         reads = disk / self.dtoc_bdw  # under GPU attention read one step ahead: added to the link's
         read, sec = self.cpu_attention(x) if self.ch.cpu_cache_compute else (0, 0)
@@ -361,7 +361,7 @@ class CostModel:
         if not self.pooled:
             return 0
         disk, rows = self.staged_bytes(x)
-        return rows / self.hw.decode_link_bdw() + disk / self.dtoc_bdw
+        return rows / self.hw.decode_link_bdw(self.ch.cpu_cache_compute) + disk / self.dtoc_bdw
 
     # ---- memory --------------------------------------------------------
     def constraints(self, x: Mapping[str, Any]) -> dict[str, Any]:

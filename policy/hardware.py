@@ -35,7 +35,7 @@ from flexoff.errors import FlexoffError
 
 GB = 1e9
 UNMEASURED_ZERO = ("host_step_s", "lora_host_step_s", "packed_host_step_s", "gpu_mem_bdw", "decode_ctog_bdw",
-                   "dtoc_cached_bdw", "host_read_bdw")  # fields that may be 0
+                   "dtoc_cached_bdw", "host_read_bdw", "cpu_attn_ctog_bdw")  # fields that may be 0
 # Host-side rates vary from call to call far more than the link's: on one H100 host, single
 # contended CPU-attention calls took 10-39 ms where most took 10-11, and 25 profiles of one day
 # (medians of three calls, measured after the engine probes and the GPU's rates) gave 18-55 GB/s while the engine's
@@ -84,6 +84,9 @@ class Hardware:
     # bytes/s host memory serves the link's copies and CPU attention's reads together, both
     # streaming at once; 0: unmeasured (the cost model's estimate from cpu_mem_bdw)
     host_read_bdw: float = 0.0
+    # bytes/s host -> device of those copies with CPU attention reading beside them (the same
+    # windows); 0: unmeasured (as fast as alone)
+    cpu_attn_ctog_bdw: float = 0.0
 
     def step_host_s(self, compress_weight: bool) -> float:
         """Seconds of host work per engine step of a policy with or without 4-bit weights (a
@@ -91,11 +94,22 @@ class Hardware:
         profile without the packed measurement prices both alike)."""
         return self.packed_host_step_s if compress_weight and self.packed_host_step_s else self.host_step_s
 
-    def decode_link_bdw(self) -> float:
+    def decode_link_bdw(self, cpu_attention: bool = False) -> float:
         """Bytes/s of host-to-device copies in decode: the rate the engine's own decode moved them
         at where the profile measured it (on H100 machines 49-54 GB/s against 54-55 for one copy
-        alone on an idle device; benchmarks/RESULTS.md), else ctog_bdw."""
-        return self.decode_ctog_bdw or self.ctog_bdw
+        alone on an idle device; benchmarks/RESULTS.md), else ctog_bdw. With `cpu_attention`,
+        slowed as the profile measured copies slow with CPU attention beside them (on an H100
+        host 50.4 GB/s against 54.0 alone, where the engine's CPU-attention decodes moved them
+        at 48.2-51.7)."""
+        rate = self.decode_ctog_bdw or self.ctog_bdw
+        if cpu_attention and self.cpu_attn_ctog_bdw:
+            rate *= min(1.0, self.cpu_attn_ctog_bdw / self.ctog_bdw)
+        return rate
+
+    def link_bdw_beside_cpu_attention(self) -> float:
+        """Bytes/s of one host-to-device copy with CPU attention beside it, as far as the profile
+        measured it (ctog_bdw where it did not): the link's limit in a CPU-attention decode."""
+        return min(self.ctog_bdw, self.cpu_attn_ctog_bdw or self.ctog_bdw)
 
     def page_cache_faster(self) -> bool:
         """Whether the profile measured the page cache reading faster than the disk: the engine's
@@ -256,7 +270,7 @@ def measure(offload_dir: str | None = None, size: int = 512 << 20, quick: bool =
     if not cuda or quick:
         size = min(size, (16 if quick else 128) << 20)
     cpu_attn, cpu_flops = _cpu_attention(quick)  # the host's rates before anything else has run
-    joint = _joint_reads(quick)
+    joint, joint_link = _joint_reads(quick)
     cpu_mem = host_copy_bandwidth(size)[0]
     deq, cpu_deq = _dequant(dev, quick)
     host = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
@@ -291,7 +305,8 @@ def measure(offload_dir: str | None = None, size: int = 512 << 20, quick: bool =
                     ctod_bdw_cache=dwrite, ctod_bdw_hidden=dwrite, mm_flops_p=mm_p, mm_flops_g=mm_g,
                     bmm_flops_p=bmm_p, bmm_flops_g=bmm_g, cpu_flops=cpu_flops, cpu_attn_bdw=cpu_attn,
                     cpu_mem_bdw=cpu_mem, dequant_bdw=deq, cpu_dequant_bdw=cpu_deq, mm_flops_p_layers=layers,
-                    gpu_mem_bdw=_elementwise(dev, dtype, sync, quick), host_read_bdw=joint)
+                    gpu_mem_bdw=_elementwise(dev, dtype, sync, quick), host_read_bdw=joint,
+                    cpu_attn_ctog_bdw=joint_link)
 
 
 def layer_projections(h: int) -> tuple[tuple[str, int, int], ...]:
@@ -489,11 +504,13 @@ def joint_read_samples(quick: bool = False, windows: int = JOINT_READ_WINDOWS) -
     return out
 
 
-def _joint_reads(quick: bool = False) -> float:
-    """Bytes/s host memory serves the link and CPU attention together: the median window's
-    sum of joint_read_samples; 0.0 where unmeasured."""
+def _joint_reads(quick: bool = False) -> tuple[float, float]:
+    """Bytes/s host memory serves the link and CPU attention together, and the link's share of
+    it: the medians over joint_read_samples' windows; (0.0, 0.0) where unmeasured."""
     samples = joint_read_samples(quick)
-    return _median(a + b for a, b in samples) if samples else 0.0
+    if not samples:
+        return 0.0, 0.0
+    return _median(a + b for a, b in samples), _median(a for a, _ in samples)
 
 
 def _dequant(dev: torch.device, quick: bool = False) -> tuple[float, float]:

@@ -232,8 +232,9 @@ def test_packed_weights_take_their_own_host_step():
 
 def test_decode_copies_take_the_engines_measured_link_rate():
     """A profile's decode link rate prices decode's host-to-device bytes (weights, staged cache
-    rows, activations; and the pair's pooled copies under CPU attention); prefill's copies keep
-    ctog_bdw, and a profile without the rate prices decode at ctog_bdw too."""
+    rows, activations; and the pair's pooled copies under CPU attention), slowed under CPU attention
+    as the profile measured copies slow beside it; prefill's copies keep ctog_bdw, and a profile
+    without the rate prices decode at ctog_bdw too."""
     from dataclasses import replace
 
     from flexoff.quant.sizes import kv_config, kv_record_bytes, layer_bytes, weight_config
@@ -264,6 +265,14 @@ def test_decode_copies_take_the_engines_measured_link_rate():
     assert waits[hw] == waits[slow] > 0
     pools = {h: m.cache_pool(y, m.terms(y))["ctog"] - waits[h] for h, m in pair.items()}
     assert pools[slow] == pytest.approx(pools[hw] / 0.8)
+    # copies measured 10% slower with CPU attention beside them: CPU-attention decodes move their
+    # bytes 10% slower; GPU attention and prefill keep their rates
+    beside = replace(slow, cpu_attn_ctog_bdw=hw.ctog_bdw * 0.9)
+    m = CostModel(s, beside, W512, cpu)
+    assert m.cache_pool(y, m.terms(y))["ctog"] - waits[hw] == pytest.approx(pools[hw] / 0.8 / 0.9)
+    assert m.terms(y)[("p", "attn")]["ctog"] == pytest.approx(pair[hw].terms(y)[("p", "attn")]["ctog"])
+    assert CostModel(s, beside, W512, ch).cache_pool(x, probed)["ctog"] == pytest.approx(moved / slow.decode_ctog_bdw)
+    assert beside.link_bdw_beside_cpu_attention() == pytest.approx(hw.ctog_bdw * 0.9)
 
 
 def test_staged_cache_rows_idle_the_link_while_the_mlp_layer_computes():
