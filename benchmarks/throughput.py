@@ -11,9 +11,7 @@ file, or `GxN:wg,wc,cg,cc,hg,hc[:flags]` with flags a (CPU attention), w (compre
 k (compressed cache), n (no overlap). Every run is a full run of its block (no projection).
 Records go to OUT/throughput.jsonl; the frontier plot to OUT/frontier.png.
 
-A run's decode bound is the largest of the link's bytes at the profile's `ctog_bdw` (under CPU
-attention at its `cpu_attn_ctog_bdw`, one copy's rate with CPU attention beside it, where it
-measured that: records before 2026-11-27's eleventh session took `ctog_bdw` alone), CPU
+A run's decode bound is the largest of the link's bytes at the profile's `ctog_bdw`, CPU
 attention's reads at its `cpu_attn_bdw`, and the host memory's: the bytes the link copies out of
 it plus those CPU attention reads, at the cost model's rate for reads (the profile's measured
 `host_read_bdw`, else HOST_READ_OVER_MEMCPY times `cpu_mem_bdw`). Records before 2026-11-27's tenth
@@ -173,9 +171,7 @@ class Bench:
         p = policy
         pred = predict(spec, self.hw, p, Workload(prompt_len, gen_len, self.llm.dtype.itemsize, n))
         td = st.traffic_decode
-        # the link's limit: one copy's rate, with CPU attention beside it where the policy has it
-        rate = self.hw.link_bdw_beside_cpu_attention() if p.cpu_cache_compute else self.hw.ctog_bdw
-        link = td.get("h2d", 0) / rate
+        link = td.get("h2d", 0) / self.hw.ctog_bdw
         # host memory: what the link copies out of it and CPU attention reads, at the model's rate for reads
         host = (td.get("h2d", 0) + td.get("cpu_attention", 0)) / host_read_bdw(self.hw)
         lane = td.get("cpu_attention", 0) / self.hw.cpu_attn_bdw
@@ -190,8 +186,7 @@ class Bench:
                "predicted_tok_s": pred.throughput, "predicted_bottleneck": pred.bottleneck,
                "measured/predicted": st.generation_throughput / pred.throughput,
                "decode_bound_s": bound, "decode/bound": st.decode_s / bound if bound else None,
-               "decode/link_bound": st.decode_s / link if link else None, "decode_link_bound_GBps": rate / 1e9,
-               "decode_host_bound_s": host,
+               "decode/link_bound": st.decode_s / link if link else None, "decode_host_bound_s": host,
                "decode_cpu_attention_bound_s": lane,
                "pcie_bound_s": pcie, **link_use(td, st.decode_s), "decode_alloc_retries": td.get("alloc_retries"),
                "traffic_prefill": st.traffic_prefill, "traffic_decode": td,

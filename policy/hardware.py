@@ -106,11 +106,6 @@ class Hardware:
             rate *= min(1.0, self.cpu_attn_ctog_bdw / self.ctog_bdw)
         return rate
 
-    def link_bdw_beside_cpu_attention(self) -> float:
-        """Bytes/s of one host-to-device copy with CPU attention beside it, as far as the profile
-        measured it (ctog_bdw where it did not): the link's limit in a CPU-attention decode."""
-        return min(self.ctog_bdw, self.cpu_attn_ctog_bdw or self.ctog_bdw)
-
     def page_cache_faster(self) -> bool:
         """Whether the profile measured the page cache reading faster than the disk: the engine's
         files are read through it, so a disk tier that fits the host memory the process leaves is
