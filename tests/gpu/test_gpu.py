@@ -323,3 +323,25 @@ def test_finetune_steps_on_the_gpu_equal_peft(tiny, tmp_path, policy):
     assert ours[0] > ours[-1] + 0.1
     for a, b in zip(ours, want):  # TF32 is off by default for float32 matmuls in both
         assert abs(a - b) < 1e-3 * abs(b), (ours, want)
+
+
+def test_joint_read_windows_measure_both_streams():
+    """The profile's joint windows: each gives the copies' and CPU attention's rates over one
+    span; the copies beside CPU attention are no faster than the same copies alone (timed here
+    with CUDA events), and CPU attention reads at a positive rate beside them."""
+    from flexoff.policy.hardware import joint_read_samples
+
+    windows = joint_read_samples(windows=2)
+    src = torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty_like(src, device="cuda")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    dst.copy_(src, non_blocking=True)
+    start.record()
+    for _ in range(32):
+        dst.copy_(src, non_blocking=True)
+    end.record()
+    end.synchronize()
+    alone = 32 * src.numel() / (start.elapsed_time(end) / 1e3)
+    assert len(windows) == 2
+    for link, attention in windows:
+        assert 0 < link <= 1.05 * alone and attention > 0
