@@ -1,8 +1,8 @@
 """The profile's host rates, call by call: CPU attention (contended by host-to-device copies, as
 `flexoff profile` measures it), a host memcpy, and host memory's joint read rate (the link's
-copies and CPU attention streaming at once, per window), in a fresh process, again after the rest of the
-machine's rates (links, disk, GPU matmuls), and again after the engine probes that `flexoff
-profile` runs (host steps and the decode link rate), all in one process.
+copies and CPU attention streaming at once, per window), in a fresh process, again after the
+rest of the machine's rates (links, disk, GPU matmuls), and again after the engine probes that
+`flexoff profile` runs (host steps and the decode link rate), all in one process.
 
     python benchmarks/host_rates.py [--rounds 3] [--out benchmarks/out]
 

@@ -297,8 +297,9 @@ class CostModel:
         host memory (`cpu_mem`), which the link's copies out of it and CPU attention's reads
         share, at host_read_bdw (the profile's measurement, else HOST_READ_OVER_MEMCPY times
         `cpu_mem_bdw`). With the GPU attending over staged rows of several GPU batches (overlap
-        on), the link and host memory terms alike. The host's work for the pair's steps, weighted by HOST_WEIGHT (for the LP a bound the
-        pair keeps; pair_pool combines it with the link's). Where the GPU attends over staged
+        on), the link and host memory terms alike. The host's work for the pair's steps,
+        weighted by HOST_WEIGHT (for the LP a bound the pair keeps; pair_pool combines it with
+        the link's). Where the GPU attends over staged
         rows, their disk reads add to the link's time: rows load one step ahead only, and a
         step's compute waits on the host for its rows' read (OPT-30B 4-bit 48x10 with 8% of the
         cache on disk decoded its pairs at 0.70 of the larger of the two on an H100, its host
