@@ -4,7 +4,8 @@ Knows: reading throughput.py's JSON records (policy, workload, measured throughp
 time), predicting each again with today's cost model and a hardware profile (one for all, or
 each run's own beside its record), optionally at the link rate the run measured, and printing
 the ratios, so a change to the cost model is checked offline against real runs before it
-is measured again on the device. Writes the rows as JSON.
+is measured again on the device; `--set FIELD=VALUE` prices them as if the profiles had read
+that rate. Writes the rows as JSON.
 """
 
 from __future__ import annotations
@@ -30,17 +31,31 @@ def main(argv: list[str] | None = None) -> int:
                     help="price each record with profile-COMMIT.json beside it (its run's commit), where there is one")
     ap.add_argument("--own-link", action="store_true",
                     help="also price decode's copies at the link rate the run itself measured (decode_link_GBps)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                    help="a profile field to price with instead of the profile's (every profile), e.g. "
+                         "host_read_bdw=97e9: what a rate the profile lacks or misread would change")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    from dataclasses import replace
+    from dataclasses import asdict, replace
 
     from flexoff.checkpoint import load_model
+    from flexoff.errors import FlexoffError
     from flexoff.policy import hardware
     from flexoff.policy.cost_model import Workload
     from flexoff.policy.policy import Policy
 
-    default = hardware.load(args.hardware)
-    profiles = functools.cache(hardware.load)  # each file read once
+    try:
+        overrides = parse_overrides(args.overrides)
+
+        def load(name: str) -> hardware.Hardware:
+            hw = hardware.load(name)
+            return hardware.Hardware.from_dict({**asdict(hw), **overrides}) if overrides else hw
+
+        default = load(args.hardware)
+    except FlexoffError as e:
+        print(f"repredict.py: {e}", file=sys.stderr)
+        return 2
+    profiles = functools.cache(load)  # each file read once
     specs = functools.cache(lambda name: load_model(name).spec)
     rows: list[dict[str, Any]] = []
     for path in args.records:
@@ -72,6 +87,27 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         write_jsonl(args.out, rows)
     return 0
+
+
+def parse_overrides(items: list[str]) -> dict[str, float]:
+    """--set FIELD=VALUE items as profile fields and numbers; a field the profile has no rate
+    for, or a value that is not a number, is an error."""
+    from dataclasses import fields
+
+    from flexoff.errors import FlexoffError
+    from flexoff.policy.hardware import Hardware
+
+    rates = {f.name for f in fields(Hardware) if f.type in ("float", float)}
+    out = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if name not in rates:
+            raise FlexoffError(f"--set {item!r}: {name!r} is not a rate of a hardware profile")
+        try:
+            out[name] = float(value)
+        except ValueError:
+            raise FlexoffError(f"--set {item!r}: {value!r} is not a number") from None
+    return out
 
 
 if __name__ == "__main__":

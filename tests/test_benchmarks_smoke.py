@@ -146,3 +146,33 @@ def test_cpu_lane_runs_each_batch_size_and_fits_the_lane(tmp_path, monkeypatch):
     got = fit(line)
     assert got["fixed_ms"] == pytest.approx(0.4) and got["rate_GBps"] == pytest.approx(50)
     assert fit(line[:1]) is None
+
+
+def test_repredict_prices_records_as_if_a_profile_had_read_a_rate(tmp_path, monkeypatch):
+    """benchmarks/repredict.py --set FIELD=VALUE: a recorded CPU-attention run priced with the
+    profile's CPU attention rate replaced is priced as the cost model prices that profile, slower
+    than with the profile's own rate; a name that is not a rate of a profile exits 2."""
+    from dataclasses import replace
+
+    from flexoff.checkpoint import load_model
+    from flexoff.policy.cost_model import Workload
+    from flexoff.policy.hardware import h200
+    from flexoff.policy.policy import Policy
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import repredict
+    from throughput import predict
+
+    p = Policy(8, 2, 0, 100, 0, 100, 100, 0, cpu_cache_compute=True)
+    record = {"label": "8x2", "model": "dummy:opt-1.3b", "policy_json": p.to_dict(), "prompt_len": 64, "gen_len": 8,
+              "num_prompts": 16, "decode_s": 1.0, "predicted_decode_s": 1.0, "measured/predicted": 1.0,
+              "gen_tok_s": 100.0}
+    runs, rows = tmp_path / "runs.jsonl", tmp_path / "rows.jsonl"
+    runs.write_text(json.dumps(record) + "\n")
+    assert repredict.main([str(runs), "--hardware", "h200", "--set", "cpu_attn_bdw=1e9", "--out", str(rows)]) == 0
+    got = json.loads(rows.read_text())["predicted_decode_s_now"]
+    spec, work = load_model("dummy:opt-1.3b").spec, Workload(64, 8, 2, 16)
+    assert got == pytest.approx(predict(spec, replace(h200(), cpu_attn_bdw=1e9), p, work).decode_s)
+    assert got > predict(spec, h200(), p, work).decode_s
+    assert repredict.main([str(runs), "--hardware", "h200", "--set", "speed=1"]) == 2
+    assert repredict.main([str(runs), "--hardware", "h200", "--set", "cpu_attn_bdw=fast"]) == 2
