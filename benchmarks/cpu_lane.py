@@ -94,8 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.fit is not None:
         recs = [json.loads(line) for line in args.fit.read_text().splitlines() if line.strip()]
-        layers = args.layers
-        report([lane_row(r, layers) for r in recs if r.get("traffic_decode", {}).get("cpu_attention_calls")],
+        report([lane_row(r, args.layers) for r in recs if r.get("traffic_decode", {}).get("cpu_attention_calls")],
                args.out)
         return 0
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from common import environment, table, write_jsonl
 
-from flexoff.policy.hardware import cpu_attention_samples, host_copy_samples, joint_read_samples, measure
+from flexoff.policy.hardware import cpu_attention_samples, host_copy_samples, joint_rates, joint_read_samples, measure
 from flexoff.profiler import engine_probes
 
 COPY_BYTES = 512 << 20  # as the profile's copy on a GPU machine
@@ -37,7 +37,7 @@ def rounds(phase: str, n: int, quick: bool) -> list[dict[str, Any]]:
         kv_bytes, _, secs = cpu_attention_samples(quick)
         copies = host_copy_samples(nbytes)
         joint = joint_read_samples(quick)  # (link, CPU attention) bytes/s per window; none without CUDA
-        out.append({"joint_GBps": statistics.median(a + b for a, b in joint) / 1e9 if joint else None,
+        out.append({"joint_GBps": joint_rates(joint)[0] / 1e9 if joint else None,
                     "joint_windows_GBps": [(round(a / 1e9, 2), round(b / 1e9, 2)) for a, b in joint],
                     "phase": phase, "round": r,
                     "cpu_attn_GBps": kv_bytes / statistics.median(secs) / 1e9,

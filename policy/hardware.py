@@ -264,8 +264,9 @@ def measure(offload_dir: str | None = None, size: int = 512 << 20, quick: bool =
     sync = (lambda: torch.cuda.synchronize()) if cuda else (lambda: None)
     if not cuda or quick:
         size = min(size, (16 if quick else 128) << 20)
-    cpu_attn, cpu_flops = _cpu_attention(quick)  # the host's rates before anything else has run
-    joint, joint_link = _joint_reads(quick)
+    call = _attention_call(quick)  # one cache for both host measurements
+    cpu_attn, cpu_flops = _cpu_attention(quick, call)  # the host's rates before anything else has run
+    joint, joint_link = joint_rates(joint_read_samples(quick, call=call))
     cpu_mem = host_copy_bandwidth(size)[0]
     deq, cpu_deq = _dequant(dev, quick)
     host = torch.empty(size, dtype=torch.uint8, pin_memory=cuda)
@@ -384,14 +385,17 @@ def _disk(offload_dir: str | None, buf: torch.Tensor) -> tuple[float, float, flo
         os.unlink(path)
 
 
-def _cpu_attention(quick: bool = False) -> tuple[float, float]:
+def _cpu_attention(quick: bool = False, call: AttentionCall | None = None) -> tuple[float, float]:
     """KV bytes/s and FLOP/s of decode attention on the CPU: cpu_attention_samples' median call."""
-    kv_bytes, flops, secs = cpu_attention_samples(quick)
+    kv_bytes, flops, secs = cpu_attention_samples(quick, call=call)
     t = _median(secs)
     return kv_bytes / t, flops / t
 
 
-def _attention_call(quick: bool = False) -> tuple[Callable[[], Any], int, int]:
+AttentionCall = tuple[Callable[[], Any], int, int]  # a call of CPU decode attention, its KV bytes and FLOPs
+
+
+def _attention_call(quick: bool = False) -> AttentionCall:
     """One call of decode attention on the CPU through the engine's call (attend_cached: the
     compiled kernel where it builds) over head-major rows, a prompt area and a generated one, at a
     size well past the CPU caches; with its KV bytes and FLOPs."""
@@ -423,13 +427,15 @@ def _engine_threads() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def cpu_attention_samples(quick: bool = False, repeat: int = CPU_ATTENTION_SAMPLES) -> tuple[int, int, list[float]]:
-    """The KV bytes and FLOPs of one call of decode attention on the CPU (_attention_call). On a
+def cpu_attention_samples(quick: bool = False, repeat: int = CPU_ATTENTION_SAMPLES,
+                          call: AttentionCall | None = None) -> tuple[int, int, list[float]]:
+    """The KV bytes and FLOPs of one call of decode attention on the CPU (`call`, else
+    _attention_call's). On a
     GPU machine it runs on the engine's CPU-attention threads and is timed while host-to-device
     copies stream, as in offloaded decoding, where weight transfers and CPU attention share host
     memory bandwidth (on an H200 host this halved torch's rate: 60.7 GB/s alone, 31.7 GB/s in the
     engine), and the seconds of each of `repeat` calls after a warm-up."""
-    fn, kv_bytes, flops = _attention_call(quick)
+    fn, kv_bytes, flops = call or _attention_call(quick)
     if torch.cuda.is_available() and not quick:
         src = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
         dst = torch.empty(src.numel(), dtype=torch.uint8, device="cuda")
@@ -454,16 +460,17 @@ def cpu_attention_samples(quick: bool = False, repeat: int = CPU_ATTENTION_SAMPL
     return kv_bytes, flops, secs
 
 
-def joint_read_samples(quick: bool = False, windows: int = JOINT_READ_WINDOWS) -> list[tuple[float, float]]:
+def joint_read_samples(quick: bool = False, windows: int = JOINT_READ_WINDOWS,
+                       call: AttentionCall | None = None) -> list[tuple[float, float]]:
     """Host memory read by the link and by CPU attention at once, as in an offloaded decode whose
-    link and CPU-attention lane are both busy: calls of decode attention (_attention_call, on the
-    engine's threads) run back to back while 64 MiB host-to-device copies out of a 1 GiB pinned
+    link and CPU-attention lane are both busy: calls of decode attention (`call`, else
+    _attention_call's, on the engine's threads) run back to back while 64 MiB host-to-device copies out of a 1 GiB pinned
     buffer stream for about 0.3 s. Over the host-timed span of the calls that end before the
     copies do, (the copies' bytes/s, the calls' bytes/s): the copies counted are those whose event
     completed within the span. One pair per window; none without CUDA, or with `quick`."""
     if quick or not torch.cuda.is_available():
         return []
-    fn, kv_bytes, _ = _attention_call(quick)
+    fn, kv_bytes, _ = call or _attention_call(quick)
     chunk, chunks, copies = 64 << 20, 16, 256
     src = torch.empty(chunk * chunks, dtype=torch.uint8, pin_memory=True)
     src.fill_(1)
@@ -499,10 +506,9 @@ def joint_read_samples(quick: bool = False, windows: int = JOINT_READ_WINDOWS) -
     return out
 
 
-def _joint_reads(quick: bool = False) -> tuple[float, float]:
+def joint_rates(samples: list[tuple[float, float]]) -> tuple[float, float]:
     """Bytes/s host memory serves the link and CPU attention together, and the link's share of
-    it: the medians over joint_read_samples' windows; (0.0, 0.0) where unmeasured."""
-    samples = joint_read_samples(quick)
+    it: the medians over joint_read_samples' windows; (0.0, 0.0) where unmeasured (none)."""
     if not samples:
         return 0.0, 0.0
     return _median(a + b for a, b in samples), _median(a for a, _ in samples)
