@@ -12,10 +12,13 @@ k (compressed cache), n (no overlap). Every run is a full run of its block (no p
 Records go to OUT/throughput.jsonl; the frontier plot to OUT/frontier.png.
 
 A run's decode bound is the largest of the link's bytes at the profile's `ctog_bdw`, CPU
-attention's reads at its `cpu_attn_bdw`, and the host memory's: the bytes the link copies out of
-it plus those CPU attention reads, at the cost model's rate for reads (the profile's measured
-`host_read_bdw`, else HOST_READ_OVER_MEMCPY times `cpu_mem_bdw`). Records before 2026-11-27's tenth
-session took the host memory's at `cpu_mem_bdw` and no CPU attention term.
+attention's reads at its `cpu_attn_bdw`, the host memory's (the bytes the link copies out of it
+plus those CPU attention reads, at the cost model's rate for reads: the profile's measured
+`host_read_bdw`, else HOST_READ_OVER_MEMCPY times `cpu_mem_bdw`) and the link's beside CPU
+attention: for the lane's shortest time the link copies at most at the rate the profile measured
+beside it (`cpu_attn_ctog_bdw`), and at `ctog_bdw` after (decode_bounds). Records before
+2026-11-27's tenth session took the host memory's at `cpu_mem_bdw` and no CPU attention term;
+records before its twelfth have no shared term (`decode/link_bound` is the link's alone).
 """
 
 from __future__ import annotations
@@ -35,6 +38,25 @@ from flexoff.errors import GpuOutOfMemoryError
 COLUMNS = ["label", "model", "policy", "prefill_s", "decode_s", "gen_tok_s", "decode_tok_s", "predicted_tok_s",
            "measured/predicted", "decode_bound_s", "decode/bound", "decode_link_busy", "decode_link_GBps",
            "peak_gpu_GiB", "peak_cpu_GiB", "decode_alloc_retries"]
+
+
+def decode_bounds(link_bytes: float, lane_bytes: float, hw: Any) -> dict[str, float]:
+    """Lower bounds on a decode's seconds from the bytes its link copied and its CPU attention
+    read, at the profile `hw`'s rates: `link` (all copies at ctog_bdw), `lane` (the reads at
+    cpu_attn_bdw), `host` (both out of host memory at the cost model's read rate) and `shared`:
+    while the lane reads, the link copies no faster than the profile measured beside CPU
+    attention (cpu_attn_ctog_bdw), and at ctog_bdw only the rest of the time. With the lane busy
+    its shortest time, the link's bytes take at least that time plus what is left over at
+    ctog_bdw (or the lane's time where the link finishes inside it); the same as `link` where
+    the profile did not measure that rate or nothing ran on the lane. `bound` is the largest."""
+    from flexoff.policy.cost_model import host_read_bdw
+
+    link = link_bytes / hw.ctog_bdw
+    lane = lane_bytes / hw.cpu_attn_bdw if lane_bytes else 0.0
+    beside = min(hw.cpu_attn_ctog_bdw or hw.ctog_bdw, hw.ctog_bdw)
+    shared = lane + max(0.0, link_bytes - beside * lane) / hw.ctog_bdw
+    host = (link_bytes + lane_bytes) / host_read_bdw(hw)
+    return {"link": link, "lane": lane, "shared": shared, "host": host, "bound": max(link, lane, shared, host)}
 
 
 def parse_policy(text: str) -> Any:
@@ -155,7 +177,7 @@ class Bench:
 
     def _measure(self, label: str, policy: Any, prompt_len: int, gen_len: int, num_prompts: int | None,
                  kind: str) -> dict[str, Any]:
-        from flexoff.policy.cost_model import Workload, host_read_bdw
+        from flexoff.policy.cost_model import Workload
 
         spec = self.llm.model.spec
         n = num_prompts or policy.block_size
@@ -171,11 +193,8 @@ class Bench:
         p = policy
         pred = predict(spec, self.hw, p, Workload(prompt_len, gen_len, self.llm.dtype.itemsize, n))
         td = st.traffic_decode
-        link = td.get("h2d", 0) / self.hw.ctog_bdw
-        # host memory: what the link copies out of it and CPU attention reads, at the model's rate for reads
-        host = (td.get("h2d", 0) + td.get("cpu_attention", 0)) / host_read_bdw(self.hw)
-        lane = td.get("cpu_attention", 0) / self.hw.cpu_attn_bdw
-        bound = max(link, host, lane)
+        b = decode_bounds(td.get("h2d", 0), td.get("cpu_attention", 0), self.hw)
+        link, bound = b["link"], b["bound"]
         pcie = (st.traffic_prefill.get("h2d", 0) + td.get("h2d", 0)) / self.hw.ctog_bdw
         gib = 2**30
         rec = {"kind": kind, "label": label, "model": self.llm.model.name, "prompt_len": prompt_len,
@@ -186,8 +205,8 @@ class Bench:
                "predicted_tok_s": pred.throughput, "predicted_bottleneck": pred.bottleneck,
                "measured/predicted": st.generation_throughput / pred.throughput,
                "decode_bound_s": bound, "decode/bound": st.decode_s / bound if bound else None,
-               "decode/link_bound": st.decode_s / link if link else None, "decode_host_bound_s": host,
-               "decode_cpu_attention_bound_s": lane,
+               "decode/link_bound": st.decode_s / link if link else None, "decode_host_bound_s": b["host"],
+               "decode_cpu_attention_bound_s": b["lane"], "decode_shared_link_bound_s": b["shared"],
                "pcie_bound_s": pcie, **link_use(td, st.decode_s), "decode_alloc_retries": td.get("alloc_retries"),
                "traffic_prefill": st.traffic_prefill, "traffic_decode": td,
                "peak_bytes": st.peak_bytes, "peak_gpu_GiB": st.peak_bytes.get("gpu", 0) / gib,

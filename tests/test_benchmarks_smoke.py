@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN_KEYS = {"kind", "label", "model", "prompt_len", "gen_len", "policy", "policy_json", "prefill_s", "decode_s",
@@ -176,3 +178,32 @@ def test_repredict_prices_records_as_if_a_profile_had_read_a_rate(tmp_path, monk
     assert got > predict(spec, h200(), p, work).decode_s
     assert repredict.main([str(runs), "--hardware", "h200", "--set", "speed=1"]) == 2
     assert repredict.main([str(runs), "--hardware", "h200", "--set", "cpu_attn_bdw=fast"]) == 2
+
+
+@settings(max_examples=60, deadline=None)
+@given(link_gb=st.floats(0.0, 60.0), lane_gb=st.floats(0.0, 60.0), beside=st.floats(0.5, 1.2),
+       joint=st.floats(40.0, 200.0))
+def test_decode_bound_is_the_best_time_sharing_of_the_link_and_the_lane(link_gb, lane_gb, beside, joint):
+    """throughput.decode_bounds: a decode's bound is the shortest schedule, found by brute force
+    over how long the link copies beside CPU attention (at cpu_attn_ctog_bdw, the lane at
+    cpu_attn_bdw), each running alone for the rest (the link at ctog_bdw), and no shorter than
+    host memory serving both bytes at its read rate; the link's alone where the profile did not
+    measure the rate beside CPU attention."""
+    from dataclasses import replace
+
+    from flexoff.policy.hardware import h200
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from throughput import decode_bounds
+
+    hw = replace(h200(), ctog_bdw=50e9, cpu_attn_bdw=40e9, cpu_attn_ctog_bdw=50e9 * beside, host_read_bdw=joint * 1e9)
+    x, y = link_gb * 1e9, lane_gb * 1e9
+    c_j = min(hw.cpu_attn_ctog_bdw, hw.ctog_bdw)
+    joint_s = [y / hw.cpu_attn_bdw * i / 2000 for i in range(2001)] + [min(x / c_j, y / hw.cpu_attn_bdw)]
+    best = min(t + max(0.0, x - c_j * t) / hw.ctog_bdw + max(0.0, y - hw.cpu_attn_bdw * t) / hw.cpu_attn_bdw
+               for t in joint_s)
+    got = decode_bounds(x, y, hw)
+    assert got["bound"] == pytest.approx(max(best, (x + y) / hw.host_read_bdw), rel=1e-9, abs=1e-12)
+    assert got["link"] == pytest.approx(x / hw.ctog_bdw, abs=1e-12)
+    unmeasured = decode_bounds(x, y, replace(hw, cpu_attn_ctog_bdw=0.0, host_read_bdw=1e15))
+    assert unmeasured["bound"] == pytest.approx(max(x / hw.ctog_bdw, y / hw.cpu_attn_bdw), rel=1e-9, abs=1e-12)
