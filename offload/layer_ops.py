@@ -11,6 +11,7 @@ Does not know: the order of steps (offload.schedule), where tensors live (the st
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Mapping
@@ -28,6 +29,8 @@ from flexoff.offload.schedule import Step
 
 if TYPE_CHECKING:
     from flexoff.offload.engine import Engine
+
+MLP_CHUNK = 8192  # mlp_chunk_tokens' default
 
 
 @dataclass
@@ -211,9 +214,33 @@ class EmbedOp(LayerOp):
         return self.e.fam.embed(self.e.weights.get(self.j)[0], ls.ids, ls.pos)
 
 
+def mlp_chunk_tokens() -> int:
+    """Tokens an inference MLP computes at once at most (`FLEXOFF_MLP_CHUNK`, 0: all of a GPU
+    batch's). A prefill GPU batch's MLP otherwise holds its 4h-wide intermediate for all its
+    tokens: 1.3 GiB for 48 prompts of 512 tokens of OPT-30B, an allocation that, at the --gpu-mem
+    cap, found no free block and had the CUDA allocator synchronize and release its cache first
+    (benchmarks/RESULTS.md, 2026-11-27's twelfth session)."""
+    return int(os.environ.get("FLEXOFF_MLP_CHUNK", MLP_CHUNK))
+
+
 class MlpOp(LayerOp):
+    def __init__(self, engine: "Engine", j: int):
+        super().__init__(engine, j)
+        self.chunk = mlp_chunk_tokens()
+
     def window(self, run: BlockRun, step: Step, w: Mapping[str, Any], h: torch.Tensor) -> torch.Tensor:
-        return self.e.fam.mlp(w, h)
+        """The MLP of whole sequences; in inference, over sequences of at most `chunk` tokens at a
+        time where the weights are plain tensors (a compressed weight would be dequantized per
+        chunk; LoRA rows are grouped for the whole batch)."""
+        fam = self.e.fam
+        rows = max(1, self.chunk // max(1, h.shape[1]))
+        if not self.chunk or h.shape[0] <= rows or torch.is_grad_enabled() \
+                or not all(isinstance(v, torch.Tensor) for v in w.values()):
+            return fam.mlp(w, h)
+        out = torch.empty_like(h)
+        for i in range(0, h.shape[0], rows):
+            out[i:i + rows] = fam.mlp(w, h[i:i + rows])
+        return out
 
     def lean(self, ls: LeanStep, h: torch.Tensor | None) -> torch.Tensor:
         return self.e.fam.mlp(self._lean_weights(ls), h)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from flexoff import LLM
+from flexoff import LLM, Policy
 from policy_matrix import FULL, pairwise
 from reference import PROMPTS
 
@@ -41,3 +41,29 @@ def test_covering_matrix_on_smollm2(smol, smol_hf):
     finally:
         smol.policy_arg = saved
         smol.close()
+
+
+
+@pytest.mark.parametrize("name", ["opt", "llama"])
+def test_mlp_over_chunks_of_sequences_gives_the_same_tokens(tiny, tiny_refs, monkeypatch, name):
+    """FLEXOFF_MLP_CHUNK: a prefill MLP computed a few sequences at a time (here one: a chunk of
+    one token) gives the reference's greedy tokens, weights on the GPU and streamed from the CPU
+    with CPU attention; every prefill MLP call then saw one sequence."""
+    monkeypatch.setenv("FLEXOFF_MLP_CHUNK", "1")
+    want = [r[:6] for r, _ in tiny_refs[name]]
+    with LLM(str(tiny[name].path)) as llm:
+        family = type(llm.model.family)
+        plain, shapes = family.mlp, []
+
+        def seen(self, w, h):
+            shapes.append(tuple(h.shape[:2]))
+            return plain(self, w, h)
+
+        monkeypatch.setattr(family, "mlp", seen)
+        for p in (Policy(4, 1, 100, 0, 100, 0, 100, 0), Policy(2, 2, 0, 100, 0, 100, 0, 100, cpu_cache_compute=True)):
+            llm.policy_arg = p
+            got = [c.token_ids for c in llm.generate([{"prompt_ids": q} for q in PROMPTS],
+                                                       max_new_tokens=6).completions]
+            assert got == want, p.describe()
+    prefill = [s for s in shapes if s[1] > 1]
+    assert prefill and all(b == 1 for b, _ in prefill), prefill
