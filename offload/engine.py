@@ -38,7 +38,7 @@ from flexoff.offload.block import (IGNORE, BatchInput, BlockResult, BlockRun, Cl
 from flexoff.offload.host_io import HostIO
 from flexoff.offload.kvcache import KVCodec, KVStore, PlainKV, cached_batches
 from flexoff.offload.lanes import Event, Lanes
-from flexoff.offload.layer_ops import layer_ops
+from flexoff.offload.layer_ops import layer_ops, prefill_chunk_tokens
 from flexoff.offload.layout import Layout, PlainFormat, WeightFormat
 from flexoff.offload.lean import LeanDecoder, graphs_enabled
 from flexoff.offload.memory import MemoryPlan, check, plan_memory
@@ -81,6 +81,7 @@ class Engine:
                  pipe: PipeLink | None = None, windows: int | None = None):
         self.fam, self.spec, self.policy, self.device, self.dtype = family, spec, policy, device, dtype
         self.max_prompt, self.max_gen = max_prompt, max_gen
+        self.chunk = prefill_chunk_tokens()  # tokens a prefill MLP (or lossy cache read) takes at once
         self.fmt = weight_format or PlainFormat(dtype)
         codec = kv_codec or PlainKV(spec.num_kv_heads, spec.head_dim, dtype)
         layouts = [Layout(self.fmt.fields(l)) for l in spec.layers]

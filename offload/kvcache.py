@@ -13,7 +13,7 @@ the schedule.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
@@ -186,10 +186,12 @@ class KVStore:
 
     # ---- prefill -------------------------------------------------------
     def store_prompt(self, li: int, kb: int, n: int, k: torch.Tensor,
-                     v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     v: torch.Tensor) -> Callable[[int, int], tuple[torch.Tensor, torch.Tensor]]:
         """Store the prompt's keys and values (n, kv_heads, s, d), made on the compute stream,
-        into every tier's rows, and return them as a read of the cache would (a lossy codec's
-        values, decoded from the records stored: the prompt is encoded once). A copy away from
+        into every tier's rows, and return how to read rows [r0, r1) of them as a read of the
+        cache would (a lossy codec's values, decoded from the records stored when read: the
+        prompt is encoded once, and decoded a few rows at a time by a caller that wants less
+        of it in device memory at once). A copy away from
         the GPU waits for an event marked after the records it copies are encoded (not merely
         after k and v exist: the encode is compute too, and a copy that starts before it ends
         reads unwritten memory)."""
@@ -220,7 +222,9 @@ class KVStore:
             cp = self.mover.copy(Span(seg.buf, 0, src.nbytes), src, deps, lane="store", transient=True)
             seg.track.wrote(cp)
             seg.track.tag = s  # tokens stored
-        return (k, v) if whole is None else self.codec.read(whole.view(-1), n, s)
+        if whole is None:
+            return lambda r0, r1: (k[r0:r1], v[r0:r1])
+        return lambda r0, r1: self.codec.read(whole[:, r0:r1].contiguous().view(-1), r1 - r0, s)
 
     # ---- decode --------------------------------------------------------
     def load(self, li: int, kb: int, n: int, t: int) -> None:

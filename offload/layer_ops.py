@@ -30,7 +30,7 @@ from flexoff.offload.schedule import Step
 if TYPE_CHECKING:
     from flexoff.offload.engine import Engine
 
-MLP_CHUNK = 8192  # mlp_chunk_tokens' default
+PREFILL_CHUNK = 8192  # prefill_chunk_tokens' default
 
 
 @dataclass
@@ -214,27 +214,24 @@ class EmbedOp(LayerOp):
         return self.e.fam.embed(self.e.weights.get(self.j)[0], ls.ids, ls.pos)
 
 
-def mlp_chunk_tokens() -> int:
-    """Tokens an inference MLP computes at once at most (`FLEXOFF_MLP_CHUNK`, 0: all of a GPU
-    batch's). A prefill GPU batch's MLP otherwise holds its 4h-wide intermediate for all its
-    tokens: 1.3 GiB for 48 prompts of 512 tokens of OPT-30B, an allocation that, at the --gpu-mem
-    cap, found no free block and had the CUDA allocator synchronize and release its cache first
+def prefill_chunk_tokens() -> int:
+    """Tokens a prefill's MLP, and its attention over a lossy cache's decoded keys and values,
+    take at once at most (`FLEXOFF_PREFILL_CHUNK`, 0: all of a GPU batch's). Whole, a GPU batch
+    of 48 prompts of 512 tokens of OPT-30B held a 1.3 GiB MLP intermediate and 0.66 GiB of
+    decoded 4-bit keys and values per layer; at the --gpu-mem cap such allocations found no
+    free block and had the CUDA allocator synchronize and release its cache first
     (benchmarks/RESULTS.md, 2026-11-27's twelfth session)."""
-    return int(os.environ.get("FLEXOFF_MLP_CHUNK", MLP_CHUNK))
+    return int(os.environ.get("FLEXOFF_PREFILL_CHUNK", PREFILL_CHUNK))
 
 
 class MlpOp(LayerOp):
-    def __init__(self, engine: "Engine", j: int):
-        super().__init__(engine, j)
-        self.chunk = mlp_chunk_tokens()
-
     def window(self, run: BlockRun, step: Step, w: Mapping[str, Any], h: torch.Tensor) -> torch.Tensor:
-        """The MLP of whole sequences; in inference, over sequences of at most `chunk` tokens at a
-        time where the weights are plain tensors (a compressed weight would be dequantized per
+        """The MLP of whole sequences; in inference, over sequences of at most the engine's `chunk`
+        tokens at a time where the weights are plain tensors (a compressed weight would be dequantized per
         chunk; LoRA rows are grouped for the whole batch)."""
-        fam = self.e.fam
-        rows = max(1, self.chunk // max(1, h.shape[1]))
-        if not self.chunk or h.shape[0] <= rows or torch.is_grad_enabled() \
+        fam, chunk = self.e.fam, self.e.chunk
+        rows = max(1, chunk // max(1, h.shape[1]))
+        if not chunk or h.shape[0] <= rows or torch.is_grad_enabled() \
                 or not all(isinstance(v, torch.Tensor) for v in w.values()):
             return fam.mlp(w, h)
         out = torch.empty_like(h)
@@ -321,7 +318,15 @@ class AttnOp(LayerOp):
         fam, kv, li = e.fam, e.kv, self.li
         q, kk, vv = fam.attn_in(w, h, st.inputs(i)[1])
         if i == 0:  # prefill: store the keys, attend over them as stored (a lossy codec's values)
-            o = attend(q, *kv.store_prompt(li, k, st.n, kk, vv), st.mask0, fam.scale)
+            read = kv.store_prompt(li, k, st.n, kk, vv)
+            rows = max(1, e.chunk // q.shape[2]) if e.chunk and kv.codec.lossy else st.n
+            if rows >= st.n:
+                o = attend(q, *read(0, st.n), st.mask0, fam.scale)
+            else:  # a lossy codec's keys and values decoded a chunk of rows at a time
+                o = torch.empty_like(q)
+                for r0 in range(0, st.n, rows):
+                    o[r0:r0 + rows] = attend(q[r0:r0 + rows], *read(r0, min(st.n, r0 + rows)),
+                                             st.mask0[r0:r0 + rows], fam.scale)
             self._output(step, fam.attn_out(w, h, o))
             return None
         t = st.S + i - 1  # position of the new token
