@@ -207,3 +207,22 @@ def test_decode_bound_is_the_best_time_sharing_of_the_link_and_the_lane(link_gb,
     assert got["link"] == pytest.approx(x / hw.ctog_bdw, abs=1e-12)
     unmeasured = decode_bounds(x, y, replace(hw, cpu_attn_ctog_bdw=0.0, host_read_bdw=1e15))
     assert unmeasured["bound"] == pytest.approx(max(x / hw.ctog_bdw, y / hw.cpu_attn_bdw), rel=1e-9, abs=1e-12)
+
+
+def test_alloc_retries_names_the_allocation_after_each_release_of_segments(monkeypatch):
+    """benchmarks/alloc_retries.py: in the CUDA allocator's memory history, an allocation that
+    follows a release of cached segments is a retry, counted once by flexoff call site and size;
+    allocations with no release before them are not."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from alloc_retries import retried
+
+    site = [{"filename": "/site-packages/torch/nn/functional.py", "line": 1, "name": "linear"},
+            {"filename": "/repo/offload/kvcache.py", "line": 223, "name": "store_prompt"}]
+    trace = [{"action": "alloc", "size": 1 << 20, "frames": site},
+             {"action": "segment_unmap", "size": 0}, {"action": "segment_unmap", "size": 0},
+             {"action": "alloc", "size": 672 << 20, "frames": site},
+             {"action": "alloc", "size": 5 << 20, "frames": site},
+             {"action": "segment_free", "size": 0},
+             {"action": "alloc", "size": 672 << 20, "frames": site}]
+    sites, sizes = retried(trace)
+    assert sites == {"kvcache.py:223:store_prompt": 2} and sizes == {672: 2}
