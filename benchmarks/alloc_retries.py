@@ -72,7 +72,8 @@ def main() -> int:
             rec = bench._measure(f"chunk={chunk}", policy, args.prompt_len, 2, None, "setting")
             row = {"chunk": chunk, "policy": rec["policy"], "prefill_s": rec["prefill_s"],
                    "predicted_prefill_s": rec["predicted_prefill_s"], "retries": rec.get("alloc_retries"),
-                   "peak_allocated_GiB": rec.get("peak_allocated_GiB"), "peak_reserved_GiB": rec.get("peak_reserved_GiB")}
+                   "peak_allocated_GiB": rec.get("peak_allocated_GiB"),
+                   "peak_reserved_GiB": rec.get("peak_reserved_GiB")}
             if args.trace:
                 trace = torch.cuda.memory._snapshot()["device_traces"][0]
                 torch.cuda.memory._record_memory_history(enabled=None)

@@ -226,9 +226,9 @@ def prefill_chunk_tokens() -> int:
 
 class MlpOp(LayerOp):
     def window(self, run: BlockRun, step: Step, w: Mapping[str, Any], h: torch.Tensor) -> torch.Tensor:
-        """The MLP of whole sequences; in inference, over sequences of at most the engine's `chunk`
-        tokens at a time where the weights are plain tensors (a compressed weight would be dequantized per
-        chunk; LoRA rows are grouped for the whole batch)."""
+        """The MLP of whole sequences; in inference, over sequences of at most the engine's
+        `chunk` tokens at a time where the weights are plain tensors (a compressed weight would
+        be dequantized per chunk; LoRA rows are grouped for the whole batch)."""
         fam, chunk = self.e.fam, self.e.chunk
         rows = max(1, chunk // max(1, h.shape[1]))
         if not chunk or h.shape[0] <= rows or torch.is_grad_enabled() \
