@@ -24,7 +24,7 @@ from flexoff.models.spec import ModelSpec
 from flexoff.offload.activations import act_bytes, backward_bytes, graph_bytes, keeps_graphs, stash_bytes
 from flexoff.offload.kvcache import cached_batches, kv_bytes
 from flexoff.offload.layout import Layout
-from flexoff.offload.mover import CHUNK, WRITE_BOUNCE, read_bounce
+from flexoff.offload.mover import CHUNK
 from flexoff.offload.pipeline import link_bytes
 from flexoff.offload.placement import TIERS
 from flexoff.offload.tiers import GiB, Budgets
@@ -78,8 +78,7 @@ def plan_memory(spec: ModelSpec, layouts: list[Layout], kv_rec_bytes: int, polic
             plan.add("optimizer", {"gpu": optimizer_bytes(trained, elem)})
     if adapters and any(adapters.values()):
         plan.add("adapters", adapters)
-    disk = cuda and plan.total("disk") > 0
-    pinned = (read_bounce() + WRITE_BOUNCE) * CHUNK if disk else 0  # disk bounce buffers
+    pinned = 4 * CHUNK if (cuda and plan.total("disk") > 0) else 0  # disk bounce buffers
     if policy.cpu_cache_compute and cuda:
         # CPU attention's sets of q, k, v and output buffers (offload.host_io.HostIO)
         per_set = 2 * (spec.num_heads + spec.num_kv_heads) * spec.head_dim * policy.gpu_batch_size * elem

@@ -2,7 +2,7 @@
 
 Knows: how a byte range gets from one buffer to another: device and host
 memory through `copy_` on the load or store lane (CUDA streams on a GPU), disk
-through its own worker threads and pinned bounce buffers (READ_BOUNCE, WRITE_BOUNCE), in
+through its own worker threads and two pinned bounce buffers per direction, in
 chunks, so a disk read overlaps the host-to-device copy of the chunk before it.
 Every copy returns an Event. Device memory a copy reads on another stream stays alive until the
 copy is done: stored compute outputs held here (up to a byte budget), the rest by the CUDA
@@ -25,20 +25,9 @@ from flexoff.offload.lanes import DONE, Event, Lanes
 from flexoff.offload.tiers import DiskFile, Ledger
 
 CHUNK = 32 << 20  # bytes per disk transfer chunk
-WRITE_BOUNCE = 2  # pinned chunks a disk write goes through (one fills while the other is written)
-# pinned chunks a disk read into device memory goes through: their copies to the device queue on
-# the load stream behind the weights and cache rows already there, and with two the read thread
-# waited for that queue (OPT-30B's 4-bit 48x10 with 45% of its weights in the disk tier read them
-# from the page cache at 3.7 GB/s in decode on an H100 whose profile read 6.9 GB/s)
-READ_BOUNCE = 8
 SPILLING = 2  # disk writes of transient tensors that may wait at once (Mover.copy)
 LINK_CHUNK = 32 << 20  # bytes per host-device copy call
 IN_FLIGHT = 2  # paced copies keep this many chunks queued on the link
-
-
-def read_bounce() -> int:
-    """Pinned chunks for disk reads into device memory (`FLEXOFF_READ_BOUNCE`, READ_BOUNCE)."""
-    return max(1, int(os.environ.get("FLEXOFF_READ_BOUNCE", READ_BOUNCE)))
 
 
 def holds_stores() -> bool:
@@ -88,7 +77,7 @@ class Mover:
         self.hold_waits, self.hold_wait_s = 0, 0.0  # the host waited for the oldest held store
         self.traffic: dict[str, int] = {k: 0 for k in ("h2d", "d2h", "d2d", "host", "disk_read", "disk_write")}
         self._bounce: dict[str, list[torch.Tensor]] = {}  # pinned, allocated on first disk use
-        self._bounce_ev: dict[str, list] = {"read": [None] * read_bounce(), "write": [None] * WRITE_BOUNCE}
+        self._bounce_ev: dict[str, list] = {"read": [None, None], "write": [None, None]}
         self.link_s = 0.0  # seconds the link spent on host-to-device copies (CUDA), once measured
         self.disk_read_s = 0.0  # seconds the disk-read thread spent reading files
         self._timed: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
@@ -257,7 +246,7 @@ class Mover:
 
     def _buffers(self, which: str) -> list[torch.Tensor]:
         if which not in self._bounce:
-            self._bounce[which] = [self.mem.alloc("cpu", self.chunk) for _ in self._bounce_ev[which]]
+            self._bounce[which] = [self.mem.alloc("cpu", self.chunk) for _ in range(2)]
         return self._bounce[which]
 
     def _read(self, dst: Span, src: Span) -> Event | None:
@@ -277,7 +266,7 @@ class Mover:
         m.record_stream(stream)
         ev = None
         for n, off in enumerate(range(0, src.nbytes, self.chunk)):
-            i, size = n % len(bounce), min(self.chunk, src.nbytes - off)
+            i, size = n % 2, min(self.chunk, src.nbytes - off)
             if evs[i] is not None:
                 evs[i].synchronize()  # the bounce buffer's previous copy has left it
             b = bounce[i][:size]
@@ -303,7 +292,7 @@ class Mover:
             off = offs[n]
             size = min(self.chunk, src.nbytes - off)
             with torch.cuda.stream(stream):
-                bounce[n % len(bounce)][:size].copy_(m[off:off + size], non_blocking=True)
+                bounce[n % 2][:size].copy_(m[off:off + size], non_blocking=True)
                 e = torch.cuda.Event()
                 e.record(stream)
             return e
@@ -313,5 +302,5 @@ class Mover:
             nxt = start(n + 1) if n + 1 < len(offs) else None
             pending.synchronize()
             size = min(self.chunk, src.nbytes - off)
-            dst.buf.write_from(dst.offset + off, bounce[n % len(bounce)][:size])
+            dst.buf.write_from(dst.offset + off, bounce[n % 2][:size])
             pending = nxt
