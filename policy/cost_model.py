@@ -19,7 +19,7 @@ Names follow the FlexGen paper:
 | s, n | prompt length, tokens generated per sequence |
 | bls, gbs | block size (gbs x number of GPU batches), GPU batch size |
 | h1, h2, nh | hidden size, MLP hidden size, attention heads |
-| ctog_bdw, gtoc_bdw, dtoc_bdw, ctod_bdw | CPU->GPU, GPU->CPU, disk->CPU, CPU->disk bandwidths; in decode, CPU->GPU at the rate the profile measured the engine's decode copies at (decode_ctog_bdw, not in FlexGen); disk->CPU from the page cache (dtoc_cached_bdw, not in FlexGen) for a model built `cached_disk`, whose placements keep the host tiers within PAGE_CACHE_SHARE of host memory |
+| ctog_bdw, gtoc_bdw, dtoc_bdw, ctod_bdw | CPU->GPU, GPU->CPU, disk->CPU, CPU->disk bandwidths; in decode, CPU->GPU at the rate the profile measured the engine's decode copies at (decode_ctog_bdw, not in FlexGen); disk->CPU from the page cache (dtoc_cached_bdw, at most PAGE_CACHE_READ_BDW; not in FlexGen) for a model built `cached_disk`, whose placements keep the host tiers within PAGE_CACHE_SHARE of host memory |
 | mm_flops, bmm_flops | GPU matmul and batched-matmul FLOP/s (p: prefill shapes, at the model's hidden size where measured; g: decode) |
 | E, gpu_mem_bdw | a layer's elementwise bytes per token (norms, residuals, activations, head moves) over the device's rate for them (not in FlexGen) |
 | cpu_flops, cpu_attn_bdw | CPU attention FLOP/s, and the KV bytes/s it reads |
@@ -65,10 +65,12 @@ HOST_READ_OVER_MEMCPY = 1.5
 # decodes whose profiles took the CPU attention rate after the engine probes, four of them before
 # token steps kept their hidden states on the GPU
 CPU_ATTN_CALL_S = 0.4e-3
-# the share of the page cache's read rate (dtoc_cached_bdw, measured alone) that disk reads get
-# beside CPU attention, whose threads read host memory at the same time: 3.3-3.7 GB/s of 6.0-7.5
-# in three OPT-30B decodes on two H100 machines (24x3 and 32x2 cache rows, 4x20 weights)
-CPU_ATTN_READ_SHARE = 0.5
+# bytes/s the engine's disk-read thread gets out of the page cache in a decode, at most: 32 MiB
+# reads into pinned buffers beside the link's copies (and CPU attention's reads, where it runs).
+# Over 35 OPT-30B decodes on eleven H100 machines (2026-11-27, benchmarks/RESULTS.md) it read
+# 2.4-4.3 GB/s, median 3.5, whatever the profile's read of the page cache alone (3.4-7.5 GB/s);
+# the profile's rate, where lower, still prices it
+PAGE_CACHE_READ_BDW = 3.5e9
 # the share of host memory that the CPU tier and the disk tier together may fill for the disk
 # tier's files to stay in the page cache (the rest: the process's own memory, the system's)
 PAGE_CACHE_SHARE = 0.9
@@ -448,11 +450,11 @@ class CostModel:
 
     def _read_disk(self, cached: bool) -> None:
         """Price disk reads from the page cache (`cached`: placements must leave it room, see
-        constraints) or from the device; beside CPU attention the page cache gives
-        CPU_ATTN_READ_SHARE of its rate (never less than the device's)."""
+        constraints) or from the device; the page cache gives the engine PAGE_CACHE_READ_BDW at
+        most (never less than the device's rate)."""
         rate = self.hw.disk_read_bdw(cached)
-        if self.ch.cpu_cache_compute and rate > self.hw.dtoc_bdw:
-            rate = max(self.hw.dtoc_bdw, rate * CPU_ATTN_READ_SHARE)
+        if rate > self.hw.dtoc_bdw:
+            rate = max(self.hw.dtoc_bdw, min(rate, PAGE_CACHE_READ_BDW))
         self.cached_disk, self.dtoc_bdw = cached, rate
 
     def price(self, x: Mapping[str, float]) -> Prediction:

@@ -333,12 +333,12 @@ def test_a_pairs_host_work_and_link_combine_as_a_norm():
 
 def test_disk_rows_the_page_cache_holds_are_read_at_its_rate():
     """With the page cache's read rate in the profile, a placement whose CPU and disk tiers fit
-    PAGE_CACHE_SHARE of host memory reads its disk rows at that rate (the pair's disk seconds are
-    its staged rows' bytes over it); one that does not, or a profile without the rate, at
-    dtoc_bdw. The search's picks keep their predictions under that rule."""
+    PAGE_CACHE_SHARE of host memory reads its disk rows at that rate, PAGE_CACHE_READ_BDW at most
+    (the pair's disk seconds are its staged rows' bytes over it); one that does not, or a profile
+    without the rate, at dtoc_bdw. The search's picks keep their predictions under that rule."""
     from dataclasses import replace
 
-    from flexoff.policy.cost_model import CPU_ATTN_READ_SHARE, PAGE_CACHE_SHARE
+    from flexoff.policy.cost_model import PAGE_CACHE_READ_BDW, PAGE_CACHE_SHARE
 
     s = spec("opt-30b")
     hw = replace(h200(), dtoc_bdw=0.3e9, dtoc_cached_bdw=3e9)  # a slow disk, a host's page cache
@@ -347,11 +347,16 @@ def test_disk_rows_the_page_cache_holds_are_read_at_its_rate():
     cold, cached = CostModel(s, hw, W512, ch), CostModel(s, hw, W512, ch, cached_disk=True)
     kv = 2 * s.num_kv_heads * s.head_dim * 2  # fp16 keys and values per token
     rows = 3 * (512 + 32 / 2) * kv  # one row per GPU batch, at the average context
-    # beside CPU attention the page cache gives its share of its rate
-    for m, rate in ((cold, hw.dtoc_bdw), (cached, hw.dtoc_cached_bdw * CPU_ATTN_READ_SHARE)):
+    # the page cache's rate, where the profile measured it below the engine's cap
+    for m, rate in ((cold, hw.dtoc_bdw), (cached, hw.dtoc_cached_bdw)):
         t = m.terms(x)
         own = t[("g", "attn")]["dtoc"] + t[("g", "mlp")]["dtoc"]
         assert m.cache_pool(x, t)["dtoc"] - own == pytest.approx(rows / rate)
+    # a profile that read the page cache alone faster than the engine's disk thread gets it
+    fast = CostModel(s, replace(hw, dtoc_cached_bdw=3 * PAGE_CACHE_READ_BDW), W512, ch, cached_disk=True)
+    t = fast.terms(x)
+    own = t[("g", "attn")]["dtoc"] + t[("g", "mlp")]["dtoc"]
+    assert fast.cache_pool(x, t)["dtoc"] - own == pytest.approx(rows / PAGE_CACHE_READ_BDW)
     mem = cold.memory(x)
     assert mem["cpu"] + mem["disk"] <= PAGE_CACHE_SHARE * hw.cpu_mem
     assert cold.price(x).decode_s == pytest.approx(cached.evaluate(x).decode_s)
@@ -364,7 +369,8 @@ def test_disk_rows_the_page_cache_holds_are_read_at_its_rate():
     budget = Budget.of(hw, 16 * 2**30, 90 * 2**30)  # the cache does not fit CPU memory: disk rows
     picks = search(s, hw, W512, budget, shapes=[(24, 3), (32, 2)], cpu_attention="on")[:4]
     alone = search(s, unmeasured, W512, budget, shapes=[(24, 3), (32, 2)], cpu_attention="on")[0]
-    assert picks[0].fractions["cd"] > 0 and picks[0].prediction.throughput > alone.prediction.throughput
+    on_disk = picks[0].fractions["wd"] + picks[0].fractions["cd"] + picks[0].fractions["hd"]
+    assert on_disk > 0 and picks[0].prediction.throughput > alone.prediction.throughput
     for c in picks:
         got = CostModel(s, hw, W512, Choice(c.policy.gpu_batch_size, c.policy.num_gpu_batches,
                                             cpu_cache_compute=True)).price(c.fractions)
