@@ -67,9 +67,10 @@ HOST_READ_OVER_MEMCPY = 1.5
 CPU_ATTN_CALL_S = 0.4e-3
 # bytes/s the engine's disk-read thread gets out of the page cache in a decode, at most: 32 MiB
 # reads into pinned buffers beside the link's copies (and CPU attention's reads, where it runs).
-# Over 35 OPT-30B decodes on eleven H100 machines (2026-11-27, benchmarks/RESULTS.md) it read
-# 2.4-4.3 GB/s, median 3.5, whatever the profile's read of the page cache alone (3.4-7.5 GB/s);
-# the profile's rate, where lower, still prices it
+# Over the 33 OPT-30B decodes that read the disk tier in eight sessions' H100 records
+# (benchmarks/results/2026-11-27[e-l]-h100) it read 2.4-4.3 GB/s, median 3.5, whatever the
+# profile's read of the page cache alone (3.4-7.5 GB/s); the profile's rate, where lower, still
+# prices it
 PAGE_CACHE_READ_BDW = 3.5e9
 # the share of host memory that the CPU tier and the disk tier together may fill for the disk
 # tier's files to stay in the page cache (the rest: the process's own memory, the system's)
