@@ -53,8 +53,7 @@ def decode_bounds(link_bytes: float, lane_bytes: float, hw: Any) -> dict[str, fl
 
     link = link_bytes / hw.ctog_bdw
     lane = lane_bytes / hw.cpu_attn_bdw if lane_bytes else 0.0
-    beside = min(hw.cpu_attn_ctog_bdw or hw.ctog_bdw, hw.ctog_bdw)
-    shared = lane + max(0.0, link_bytes - beside * lane) / hw.ctog_bdw
+    shared = lane + max(0.0, link_bytes - hw.ctog_beside_cpu_attention() * lane) / hw.ctog_bdw
     host = (link_bytes + lane_bytes) / host_read_bdw(hw)
     return {"link": link, "lane": lane, "shared": shared, "host": host, "bound": max(link, lane, shared, host)}
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import torch
 
@@ -224,20 +224,30 @@ def prefill_chunk_tokens() -> int:
     return int(os.environ.get("FLEXOFF_PREFILL_CHUNK", PREFILL_CHUNK))
 
 
+def chunk_rows(chunk: int, seq: int) -> int:
+    """Sequences of `seq` tokens a chunk of `chunk` tokens holds (at least one; 0: no chunks)."""
+    return max(1, chunk // max(1, seq)) if chunk else 1 << 62
+
+
+def by_rows(like: torch.Tensor, rows: int, part: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
+    """A tensor shaped as `like`, filled `rows` rows (dim 0) at a time: part(r0, r1) gives rows
+    [r0, r1) (a prefill's transients held for a chunk of its sequences at a time)."""
+    out = torch.empty_like(like)
+    n = like.shape[0]
+    for r0 in range(0, n, rows):
+        out[r0:r0 + rows] = part(r0, min(n, r0 + rows))
+    return out
+
+
 class MlpOp(LayerOp):
     def window(self, run: BlockRun, step: Step, w: Mapping[str, Any], h: torch.Tensor) -> torch.Tensor:
         """The MLP of whole sequences; in inference, over sequences of at most the engine's
         `chunk` tokens at a time where the weights are plain tensors (a compressed weight would
         be dequantized per chunk; LoRA rows are grouped for the whole batch)."""
-        fam, chunk = self.e.fam, self.e.chunk
-        rows = max(1, chunk // max(1, h.shape[1]))
-        if not chunk or h.shape[0] <= rows or torch.is_grad_enabled() \
-                or not all(isinstance(v, torch.Tensor) for v in w.values()):
+        fam, rows = self.e.fam, chunk_rows(self.e.chunk, h.shape[1])
+        if h.shape[0] <= rows or torch.is_grad_enabled() or not all(isinstance(v, torch.Tensor) for v in w.values()):
             return fam.mlp(w, h)
-        out = torch.empty_like(h)
-        for i in range(0, h.shape[0], rows):
-            out[i:i + rows] = fam.mlp(w, h[i:i + rows])
-        return out
+        return by_rows(h, rows, lambda r0, r1: fam.mlp(w, h[r0:r1]))
 
     def lean(self, ls: LeanStep, h: torch.Tensor | None) -> torch.Tensor:
         return self.e.fam.mlp(self._lean_weights(ls), h)
@@ -319,14 +329,11 @@ class AttnOp(LayerOp):
         q, kk, vv = fam.attn_in(w, h, st.inputs(i)[1])
         if i == 0:  # prefill: store the keys, attend over them as stored (a lossy codec's values)
             read = kv.store_prompt(li, k, st.n, kk, vv)
-            rows = max(1, e.chunk // q.shape[2]) if e.chunk and kv.codec.lossy else st.n
+            rows = chunk_rows(e.chunk, q.shape[2]) if kv.codec.lossy else st.n
             if rows >= st.n:
                 o = attend(q, *read(0, st.n), st.mask0, fam.scale)
             else:  # a lossy codec's keys and values decoded a chunk of rows at a time
-                o = torch.empty_like(q)
-                for r0 in range(0, st.n, rows):
-                    o[r0:r0 + rows] = attend(q[r0:r0 + rows], *read(r0, min(st.n, r0 + rows)),
-                                             st.mask0[r0:r0 + rows], fam.scale)
+                o = by_rows(q, rows, lambda r0, r1: attend(q[r0:r1], *read(r0, r1), st.mask0[r0:r1], fam.scale))
             self._output(step, fam.attn_out(w, h, o))
             return None
         t = st.S + i - 1  # position of the new token

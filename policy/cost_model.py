@@ -305,9 +305,10 @@ class CostModel:
         the link's). Where the GPU attends over staged rows, their disk reads add to the link's
         time: rows load one step ahead only, and a step's compute waits on the host for its
         rows' read (OPT-30B 4-bit 48x10 with 8% of the cache on disk decoded its pairs at 0.70
-        of the larger of the two on an H100, its host blocked 18 ms a pair; benchmarks/RESULTS.md). Under CPU attention over several GPU
-        batches, the link's term also holds what the link waits beyond its bytes
-        (CPU_CALL_EXPOSED). Empty where rows are not priced over the pair."""
+        of the larger of the two on an H100, its host blocked 18 ms a pair;
+        benchmarks/RESULTS.md). Under CPU attention over several GPU batches, the link's term
+        also holds what the link waits beyond its bytes (CPU_CALL_EXPOSED). Empty where rows
+        are not priced over the pair."""
         if not self.pooled:
             return {}
         hw = self.hw

@@ -102,9 +102,12 @@ class Hardware:
         host 50.4 GB/s against 54.0 alone, where the engine's CPU-attention decodes moved them
         at 48.2-51.7)."""
         rate = self.decode_ctog_bdw or self.ctog_bdw
-        if cpu_attention and self.cpu_attn_ctog_bdw:
-            rate *= min(1.0, self.cpu_attn_ctog_bdw / self.ctog_bdw)
-        return rate
+        return rate * self.ctog_beside_cpu_attention() / self.ctog_bdw if cpu_attention else rate
+
+    def ctog_beside_cpu_attention(self) -> float:
+        """Bytes/s of host-to-device copies with CPU attention reading host memory beside them:
+        cpu_attn_ctog_bdw, never above ctog_bdw (as fast as alone where unmeasured)."""
+        return min(self.cpu_attn_ctog_bdw or self.ctog_bdw, self.ctog_bdw)
 
     def page_cache_faster(self) -> bool:
         """Whether the profile measured the page cache reading faster than the disk: the engine's
@@ -430,11 +433,10 @@ def _engine_threads() -> Iterator[None]:
 def cpu_attention_samples(quick: bool = False, repeat: int = CPU_ATTENTION_SAMPLES,
                           call: AttentionCall | None = None) -> tuple[int, int, list[float]]:
     """The KV bytes and FLOPs of one call of decode attention on the CPU (`call`, else
-    _attention_call's). On a
-    GPU machine it runs on the engine's CPU-attention threads and is timed while host-to-device
-    copies stream, as in offloaded decoding, where weight transfers and CPU attention share host
-    memory bandwidth (on an H200 host this halved torch's rate: 60.7 GB/s alone, 31.7 GB/s in the
-    engine), and the seconds of each of `repeat` calls after a warm-up."""
+    _attention_call's). On a GPU machine it runs on the engine's CPU-attention threads and is timed
+    while host-to-device copies stream, as in offloaded decoding, where weight transfers and CPU
+    attention share host memory bandwidth (on an H200 host this halved torch's rate: 60.7 GB/s
+    alone, 31.7 GB/s in the engine), and the seconds of each of `repeat` calls after a warm-up."""
     fn, kv_bytes, flops = call or _attention_call(quick)
     if torch.cuda.is_available() and not quick:
         src = torch.empty(256 << 20, dtype=torch.uint8, pin_memory=True)
@@ -464,10 +466,11 @@ def joint_read_samples(quick: bool = False, windows: int = JOINT_READ_WINDOWS,
                        call: AttentionCall | None = None) -> list[tuple[float, float]]:
     """Host memory read by the link and by CPU attention at once, as in an offloaded decode whose
     link and CPU-attention lane are both busy: calls of decode attention (`call`, else
-    _attention_call's, on the engine's threads) run back to back while 64 MiB host-to-device copies out of a 1 GiB pinned
-    buffer stream for about 0.3 s. Over the host-timed span of the calls that end before the
-    copies do, (the copies' bytes/s, the calls' bytes/s): the copies counted are those whose event
-    completed within the span. One pair per window; none without CUDA, or with `quick`."""
+    _attention_call's, on the engine's threads) run back to back while 64 MiB host-to-device copies
+    out of a 1 GiB pinned buffer stream for about 0.3 s. Over the host-timed span of the calls that
+    end before the copies do, (the copies' bytes/s, the calls' bytes/s): the copies counted are
+    those whose event completed within the span. One pair per window; none without CUDA, or with
+    `quick`."""
     if quick or not torch.cuda.is_available():
         return []
     fn, kv_bytes, _ = call or _attention_call(quick)
