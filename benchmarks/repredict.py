@@ -28,7 +28,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("records", type=Path, nargs="+")
     ap.add_argument("--hardware", default="benchmarks/data/h200-measured.json")
     ap.add_argument("--own-profile", action="store_true",
-                    help="price each record with profile-COMMIT.json beside it (its run's commit), where there is one")
+                    help="price each record with profile-COMMIT.json beside it (its run's commit), where there is "
+                         "one, and CPU attention at the rate the run was priced with (priced_cpu_attn_bdw), where "
+                         "recorded")
     ap.add_argument("--own-link", action="store_true",
                     help="also price decode's copies at the link rate the run itself measured (decode_link_GBps)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
@@ -41,6 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     from flexoff.checkpoint import load_model
     from flexoff.errors import FlexoffError
     from flexoff.policy import hardware
+    from flexoff.policy.calibration import at_cpu_attention
     from flexoff.policy.cost_model import Workload
     from flexoff.policy.policy import Policy
 
@@ -65,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             own = path.parent / f"profile-{str(r.get('commit', '')).removesuffix('+wip')}.json"
             hw = profiles(str(own)) if args.own_profile and own.is_file() else default
+            if args.own_profile and r.get("priced_cpu_attn_bdw"):  # the rate the run planned with
+                hw = at_cpu_attention(hw, r["priced_cpu_attn_bdw"])
             spec = specs(r["model"])
             p = Policy.from_dict(r["policy_json"])
             work = Workload(r["prompt_len"], r["gen_len"], 2, r.get("num_prompts"))

@@ -87,6 +87,7 @@ class Bench:
         self.llm = LLM(model, gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk_mem=disk_mem, hardware=hardware,
                        dtype=dtype, device=device, offload_dir=offload_dir)
         self.llm.model.tokenizer.eos_ids = ()  # benchmarks generate every token they ask for
+        self.hw_source = (hardware, offload_dir)
         self.hw = profiler.load(hardware, offload_dir)
         self.budgets = {"gpu_mem": gpu_mem, "cpu_mem": cpu_mem, "disk_mem": disk_mem}
         self.env = environment()
@@ -164,7 +165,11 @@ class Bench:
     def _warm_and_measure(self, label: str, policy: Any, prompt_len: int, gen_len: int, num_prompts: int | None,
                           kind: str) -> dict[str, Any]:
         """The measured run, after the warm-up `--warmup` asks for (of the policy that runs: a
-        searched one that ran out of GPU memory warms up its replacement)."""
+        searched one that ran out of GPU memory warms up its replacement). Predicted and bounded
+        with the profile as `--policy auto` plans with it now (calibrated by the runs before)."""
+        from flexoff import profiler
+
+        self.hw = profiler.load(*self.hw_source)
         if self.warmup == "each" or (self.warmup == "first" and not self.warmed):
             # kernels compiled and tuned for the policy's shapes, buffers made, memory touched
             short = gen_len if self.warmup == "each" else min(gen_len, WARMUP_TOKENS)
@@ -210,7 +215,7 @@ class Bench:
                "traffic_prefill": st.traffic_prefill, "traffic_decode": td,
                "peak_bytes": st.peak_bytes, "peak_gpu_GiB": st.peak_bytes.get("gpu", 0) / gib,
                "peak_cpu_GiB": st.peak_bytes.get("cpu", 0) / gib, **watch.stats(), "hardware": self.hw.name,
-               **self.env}
+               "priced_cpu_attn_bdw": self.hw.cpu_attn_bdw, **self.env}
         return rec
 
     def close(self) -> None:

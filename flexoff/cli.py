@@ -385,12 +385,13 @@ def ppl(model: str | None, text_path: str, max_tokens: int | None, dtype: str, d
 def profile(offload_dir: str | None, output: str | None) -> None:
     """Measure this machine for the cost model (about two minutes) and cache the result."""
     from flexoff import profiler
-    from flexoff.policy import hardware
+    from flexoff.policy import calibration, hardware
 
     if output:
         validate.output_file(output, "--output")
     hw = profiler.measure(offload_dir, log=lambda m: click.echo(m, err=True))
     hardware.save(hw, hardware.cache_path())
+    calibration.forget()  # the engine's rates kept so far start over with the new profile
     if output:
         hardware.save(hw, Path(output))
     click.echo(hardware_table(hw))

@@ -17,6 +17,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from flexoff.offload.engine import BatchInput, Engine, TrainResult
+from flexoff.policy import calibration
 from flexoff.sampling import BlockSampler, SamplingParams, TokenLogprobs, row_seed
 from flexoff.tokenizer import Tokenizer
 
@@ -224,6 +225,8 @@ def run_block(engine: Engine, tokenizer: Tokenizer, block: list[Request], job_se
     windows = rider.windows(S, room, gbs) if rider is not None and room > 0 else []
     t0 = time.perf_counter()
     res = engine.run_block(inputs + windows, gen_len, sampler, on_tokens, prompt_logprobs)
+    if engine.device.type == "cuda":  # CPU attention beside a GPU: what it read at, for the next plans
+        calibration.record(res.traffic_decode)
     if windows:
         assert rider is not None and res.train is not None
         rider.done(res.train)

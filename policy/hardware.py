@@ -87,6 +87,9 @@ class Hardware:
     # bytes/s host -> device of those copies with CPU attention reading beside them (the same
     # windows); 0: unmeasured (as fast as alone)
     cpu_attn_ctog_bdw: float = 0.0
+    # machine_key() of the machine measured ("": unknown, a preset or an older profile): the
+    # engine's own rates calibrate only a profile of the machine they were measured on
+    machine: str = ""
 
     def step_host_s(self, compress_weight: bool) -> float:
         """Seconds of host work per engine step of a policy with or without 4-bit weights (a
@@ -153,8 +156,8 @@ class Hardware:
             v = d.get(f.name)
             if f.name == "mm_flops_p_layers":
                 continue
-            if f.name in ("name", "device"):
-                ok = isinstance(v, str) and (f.name == "name" or v in ("cuda", "cpu"))
+            if f.name in ("name", "device", "machine"):
+                ok = isinstance(v, str) and (f.name != "device" or v in ("cuda", "cpu")) or v is None and f.name == "machine"
             else:  # rates and sizes: finite, positive (the host steps may be 0)
                 ok = v is None and f.name in optional or isinstance(v, (int, float)) and not isinstance(v, bool) \
                     and math.isfinite(v) and (v > 0 or f.name in UNMEASURED_ZERO and v == 0)
@@ -205,20 +208,25 @@ def cache_path() -> Path:
 def load(name_or_path: str | None, offload_dir: str | None = None, log: Callable[[str], None] | None = None,
          measure_machine: Callable[[str | None], Hardware] | None = None) -> Hardware:
     """A preset by name, a profile file, or (None) this machine's cached profile, measured if absent
-    (by `measure_machine`, which adds what only the engine can measure: flexoff.profiler)."""
+    (by `measure_machine`, which adds what only the engine can measure: flexoff.profiler). A
+    profile of this machine is priced with the rates the engine measured here
+    (policy.calibration)."""
+    from flexoff.policy.calibration import calibrated
+
     if name_or_path in PRESETS:
         return PRESETS[name_or_path]()
     if name_or_path is not None:
         try:
-            return Hardware.from_dict(json.loads(Path(name_or_path).read_text()))
+            hw = Hardware.from_dict(json.loads(Path(name_or_path).read_text()))
         except OSError as e:
             raise FlexoffError(f"cannot read hardware profile {name_or_path}: {e.strerror}; "
                                f"presets: {', '.join(PRESETS)}") from None
         except json.JSONDecodeError as e:
             raise FlexoffError(f"hardware profile {name_or_path} is not valid JSON: {e.msg}") from None
+        return calibrated(hw, log=log)
     path = cache_path()
     if path.exists():
-        return Hardware.from_dict(json.loads(path.read_text()))
+        return calibrated(Hardware.from_dict(json.loads(path.read_text())), log=log)
     if log:
         log("measuring this machine once (flexoff profile); cached in " + str(path))
     hw = (measure_machine or measure)(offload_dir)
@@ -305,7 +313,7 @@ def measure(offload_dir: str | None = None, size: int = 512 << 20, quick: bool =
                     bmm_flops_p=bmm_p, bmm_flops_g=bmm_g, cpu_flops=cpu_flops, cpu_attn_bdw=cpu_attn,
                     cpu_mem_bdw=cpu_mem, dequant_bdw=deq, cpu_dequant_bdw=cpu_deq, mm_flops_p_layers=layers,
                     gpu_mem_bdw=_elementwise(dev, dtype, sync, quick), host_read_bdw=joint,
-                    cpu_attn_ctog_bdw=joint_link)
+                    cpu_attn_ctog_bdw=joint_link, machine=machine_key())
 
 
 def layer_projections(h: int) -> tuple[tuple[str, int, int], ...]:
