@@ -112,6 +112,24 @@ def test_host_rates_measures_fresh_and_after_the_rest_of_the_profile(tmp_path):
         assert r["probes"]["host_step_s"] > 0 and r["probes"]["decode_ctog_bdw"] == 0  # no link probe when quick
 
 
+def test_cpu_attn_layouts_measures_each_layout_each_round(tmp_path):
+    """benchmarks/cpu_attn_layouts.py on the CPU: the pageable layouts (the registered ones need
+    CUDA), each round in turn, rates ordered as their calls (median no faster than the quartile,
+    no faster than the best)."""
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_attn_layouts.py"), "--rounds", "2",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    recs = [json.loads(l) for l in (tmp_path / "cpu-attn-layouts.jsonl").read_text().splitlines()]
+    assert [(r["round"], r["layout"]) for r in recs] == [(0, "randn"), (0, "one-thread"), (1, "randn"),
+                                                        (1, "one-thread")]
+    for r in recs:
+        assert r["calls"] == 11 and 0 < r["median_GBps"] <= r["quartile_GBps"] <= r["best_GBps"]
+        assert r["joint_cpu_GBps"] is None  # no link to stream beside it
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cpu_attn_layouts.py"), "--rounds", "0",
+                          "--out", str(tmp_path / "x")], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert bad.returncode == 2 and "--rounds" in bad.stderr and not (tmp_path / "x").exists()
+
+
 def test_gpu_only_benchmarks_say_so_without_cuda(tmp_path):
     """Without CUDA a GPU benchmark exits 2 with one line saying why, and writes nothing."""
     import pytest
