@@ -157,7 +157,8 @@ class Hardware:
             if f.name == "mm_flops_p_layers":
                 continue
             if f.name in ("name", "device", "machine"):
-                ok = isinstance(v, str) and (f.name != "device" or v in ("cuda", "cpu")) or v is None and f.name == "machine"
+                ok = isinstance(v, str) and (f.name != "device" or v in ("cuda", "cpu")) \
+                    or v is None and f.name == "machine"
             else:  # rates and sizes: finite, positive (the host steps may be 0)
                 ok = v is None and f.name in optional or isinstance(v, (int, float)) and not isinstance(v, bool) \
                     and math.isfinite(v) and (v > 0 or f.name in UNMEASURED_ZERO and v == 0)
