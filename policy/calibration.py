@@ -1,11 +1,12 @@
 """Rates the engine measured in its own decodes on this machine, which the cost model prices with
 in place of the profile's microbenchmark.
 
-Knows: where they are kept (beside this machine's cached profile, `<key>.engine.json`), how a
-decode's CPU attention lane (over a 16-bit cache: the caller's to check) gives a read rate (the cache bytes it read over its busy seconds less
-the fixed cost per call that the cost model prices apart, CPU_ATTN_CALL_S), which decodes are long
-enough to count, how many recent ones count (their median), and that only a profile measured on
-this machine (its `machine` field) is calibrated. FLEXOFF_CALIBRATE=0 turns both halves off.
+Knows: where they are kept (beside this machine's cached profile, `<key>.engine.json`); how a
+decode's CPU attention lane gives a read rate (the cache bytes it read over its busy seconds, less
+the fixed cost per call that the cost model prices apart, CPU_ATTN_CALL_S; over a 16-bit cache,
+which the caller checks); which decodes are long enough to count; how many recent ones count
+(their median); and that only a profile measured on this machine (its `machine` field) is
+calibrated. FLEXOFF_CALIBRATE=0 turns both halves off.
 Does not know: the engine (it is handed a decode's counters) or the search.
 
 Why: the profile times CPU attention over a few seconds of a fresh process, and host memory's
