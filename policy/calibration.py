@@ -11,7 +11,7 @@ Does not know: the engine (it is handed a decode's counters) or the search.
 
 Why: the profile times CPU attention over a few seconds of a fresh process, and host memory's
 rate drifts. On one H100 host the profile read 31.9 GB/s while the engine's decodes on it read
-38-44 an hour long, and `--policy auto` planned around a lane that slow (benchmarks/RESULTS.md,
+38-47 over the next 25 minutes, and `--policy auto` planned around a lane that slow (benchmarks/RESULTS.md,
 2026-11-27, thirteenth session).
 """
 
