@@ -21,11 +21,13 @@ import argparse
 import statistics
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from common import environment, table, write_jsonl
+
+from flexoff.policy import hardware
 
 SHAPE = (32, 32, 1024, 128)  # rows, heads, positions, head width: the profile's call
 LAYOUTS = ("randn", "registered", "registered-dma", "one-thread")
@@ -55,22 +57,7 @@ def cache(layout: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tens
     return kv
 
 
-def attention_call(kv: torch.Tensor) -> tuple[Callable[[], Any], int, int]:
-    """The profile's call over `kv` (hardware.AttentionCall): decode attention of one new token."""
-    from flexoff.models.attention import attend_cached
-
-    _, b, heads, s1, d = kv.shape
-    s, dtype = s1 + 1, kv.dtype
-    gen = torch.zeros(2, b, heads, 1, d, dtype=dtype)
-    q = torch.randn(b, heads, 1, d, dtype=dtype)
-    mask = torch.ones(b, 1, s, dtype=torch.bool)
-    fn = lambda: attend_cached(q, (kv[0], kv[1]), (gen[0], gen[1]), (q, q), 0, mask, d**-0.5)  # noqa: E731
-    return fn, 2 * b * heads * s * d * dtype.itemsize, 4 * b * heads * d * s
-
-
-def measure(layout: str, call: tuple[Callable[[], Any], int, int], rnd: int) -> dict[str, Any]:
-    from flexoff.policy import hardware
-
+def measure(layout: str, call: hardware.AttentionCall, rnd: int) -> dict[str, Any]:
     kv_bytes, _, secs = hardware.cpu_attention_samples(call=call)
     secs = sorted(secs)
     joint = [c / 1e9 for _, c in hardware.joint_read_samples(call=call)]
@@ -91,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = torch.float16 if cuda else torch.float32
     b, heads, s, d = SHAPE if cuda else (4, 8, 256, 64)
     layouts = LAYOUTS if cuda else ("randn", "one-thread")
-    calls = {k: attention_call(cache(k, (2, b, heads, s - 1, d), dtype)) for k in layouts}
+    calls = {k: hardware.attention_call_over(cache(k, (2, b, heads, s - 1, d), dtype)) for k in layouts}
     env, rows = environment(), []
     for rnd in range(args.rounds):
         for k in layouts:

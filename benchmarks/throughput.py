@@ -87,8 +87,8 @@ class Bench:
         self.llm = LLM(model, gpu_mem=gpu_mem, cpu_mem=cpu_mem, disk_mem=disk_mem, hardware=hardware,
                        dtype=dtype, device=device, offload_dir=offload_dir)
         self.llm.model.tokenizer.eos_ids = ()  # benchmarks generate every token they ask for
-        self.hw_source = (hardware, offload_dir)
-        self.hw = profiler.load(hardware, offload_dir)
+        self.hw_source = (hardware, offload_dir)  # loaded again before each run (calibrated by the runs before)
+        self.hw = profiler.load(hardware, offload_dir)  # a bad profile stops the benchmark here, not per run
         self.budgets = {"gpu_mem": gpu_mem, "cpu_mem": cpu_mem, "disk_mem": disk_mem}
         self.env = environment()
         self.out, self.deadline = out, deadline

@@ -24,6 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from flexoff.policy.cost_model import CPU_ATTN_CALL_S
 from flexoff.policy.hardware import Hardware, cache_path, machine_key
 
 ENV = "FLEXOFF_CALIBRATE"
@@ -46,8 +47,6 @@ def lane_rate(traffic: Mapping[str, Any]) -> float | None:
     """Bytes/s CPU attention read the cache at in one decode's counters (`cpu_attention` bytes,
     `cpu_attention_compute_s`, `cpu_attention_calls`), net of the fixed cost per call; None where
     the decode is too short to say, or its calls are mostly fixed cost."""
-    from flexoff.policy.cost_model import CPU_ATTN_CALL_S
-
     read, busy, calls = (traffic.get("cpu_attention", 0), traffic.get("cpu_attention_compute_s", 0.0),
                          traffic.get("cpu_attention_calls", 0))
     if busy < MIN_BUSY_S or calls < MIN_CALLS or read <= 0:

@@ -408,17 +408,25 @@ AttentionCall = tuple[Callable[[], Any], int, int]  # a call of CPU decode atten
 
 
 def _attention_call(quick: bool = False) -> AttentionCall:
-    """One call of decode attention on the CPU through the engine's call (attend_cached: the
-    compiled kernel where it builds) over head-major rows, a prompt area and a generated one, at a
-    size well past the CPU caches; with its KV bytes and FLOPs."""
-    from flexoff.models.attention import attend_cached
-
+    """One call of decode attention on the CPU (attention_call_over) over a cache from `randn`, at
+    a size well past the CPU caches: 32 rows (8 on a CPU machine) of 32 heads of 128 over 1024
+    positions, fp16 beside a GPU (float32 without); small shapes when `quick`."""
     b, heads, d, s = (32, 32, 128, 1024) if not quick else (4, 8, 64, 128)
     cuda = torch.cuda.is_available()
     if not cuda and not quick:
         b = 8
-    dtype = torch.float16 if cuda else torch.float32
-    kv = torch.randn(2, b, heads, s - 1, d, dtype=dtype)
+    return attention_call_over(torch.randn(2, b, heads, s - 1, d, dtype=torch.float16 if cuda else torch.float32))
+
+
+def attention_call_over(kv: torch.Tensor) -> AttentionCall:
+    """One call of decode attention on the CPU through the engine's call (attend_cached: the
+    compiled kernel where it builds) over head-major rows: `kv`'s prompt area (K and V, shaped
+    (2, rows, heads, positions, head width)) and one generated position; with its KV bytes and
+    FLOPs."""
+    from flexoff.models.attention import attend_cached
+
+    _, b, heads, s1, d = kv.shape
+    s, dtype = s1 + 1, kv.dtype
     gen = torch.zeros(2, b, heads, 1, d, dtype=dtype)
     q = torch.randn(b, heads, 1, d, dtype=dtype)
     mask = torch.ones(b, 1, s, dtype=torch.bool)
