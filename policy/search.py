@@ -62,14 +62,18 @@ TRANSFERS = ("ctog", "gtoc", "dtoc", "ctod")
 
 
 def solve_lp(model: CostModel, budget: Budget, max_latency: float | None = None,
-             least_traffic: bool = False) -> tuple[dict[str, float], float] | None:
+             least_traffic: bool = False, fixed: Mapping[str, float] | None = None
+             ) -> tuple[dict[str, float], float] | None:
     """The placement that minimizes block latency T (the objective is T / bls, the same
     argmin for a fixed shape), and T; or None if nothing fits.
 
     least_traffic: among placements with T within max_latency, the one that moves the
-    fewest bytes (used to break ties of the first solve deterministically)."""
+    fewest bytes (used to break ties of the first solve deterministically).
+    fixed: fractions held at these values (whole rows the search rounded to)."""
     prob = pulp.LpProblem("flexoff_policy", pulp.LpMinimize)
     x = {v: _var(prob, v, 1) for v in model.vars}
+    for v, value in (fixed or {}).items():
+        prob += x[v] == value, f"fixed_{v}"
     for tier_vars in zip(model.vars[0::3], model.vars[1::3], model.vars[2::3]):  # (g, c, d) of each kind
         prob += pulp.lpSum(x[v] for v in tier_vars) == 1
     for v, (lo, hi) in model.bounds().items():
@@ -213,11 +217,23 @@ BUMPS = ((0, 0), (0, 1), (1, 0), (1, 1))  # a tier's row counts rounded down, or
 def _candidate(model: CostModel, x: dict[str, float], budget: Budget, max_latency: float | None) -> Candidate | None:
     """The best runnable rounding of the LP's fractions: cache and activation rows rounded down,
     or up by a row where that is faster and fits (a fraction of a row on disk, rounded to a whole
-    one, can cost more than the row is worth)."""
-    best = None
+    one, can cost more than the row is worth). Where no rounding fits as it stands, each with
+    the weights placed again around its whole rows (_weights_around)."""
     x = _fit_slots(model, x, budget)
-    for cu, hu in itertools.product(BUMPS, BUMPS):
-        policy, frac = round_policy(x, model.ch, {"c": cu, "h": hu})
+    roundings = [round_policy(x, model.ch, {"c": cu, "h": hu}) for cu, hu in itertools.product(BUMPS, BUMPS)]
+    best = _best(model, roundings, budget, max_latency)
+    if best is None:
+        rows = {tuple(frac[v] for v in model.vars if v[0] in "ch"): frac for _, frac in roundings}
+        best = _best(model, [r for frac in rows.values() if (r := _weights_around(model, frac, budget, max_latency))],
+                     budget, max_latency)
+    return best
+
+
+def _best(model: CostModel, roundings: Iterable[tuple[Policy, dict[str, float]]], budget: Budget,
+          max_latency: float | None) -> Candidate | None:
+    """The fastest of the placements that fit the budget and the latency bound (the first of ties)."""
+    best = None
+    for policy, frac in roundings:
         pred = model.price(frac)
         if not _fits(pred.memory, budget) or not model.holds(frac) \
                 or (max_latency is not None and pred.latency > max_latency * 1.001):
@@ -279,6 +295,19 @@ def search_training(spec: ModelSpec, hw: Hardware, seq_len: int, batch: int, bud
     # equal predictions (compute-bound shapes of the same tokens): fewer blocks, then larger GPU batches
     out.sort(key=lambda cb: (-round(cb[0].prediction.throughput / best, 6), cb[1], cb[0].policy.num_gpu_batches))
     return [c for c, _ in out]
+
+
+def _weights_around(model: CostModel, frac: dict[str, float], budget: Budget,
+                    max_latency: float | None) -> tuple[Policy, dict[str, float]] | None:
+    """The rounding `frac` with its rows (cache, hidden states) kept whole and the weights placed
+    again by the LP around them, rounded as the search rounds; None where nothing fits. A row a
+    tier gains in rounding can take more than the LP left free there, while the weights could
+    make up for it in another tier."""
+    rows = {v: frac[v] for v in model.vars if v[0] in "ch"}
+    sol = solve_lp(model, budget, max_latency, fixed=rows)
+    if sol is None:
+        return None
+    return round_policy(_fit_slots(model, {**sol[0], **rows}, budget), model.ch)
 
 
 def _fit_slots(model: CostModel, x: dict[str, float], budget: Budget) -> dict[str, float]:

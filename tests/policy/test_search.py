@@ -429,6 +429,33 @@ def test_whole_rows_rounded_to_the_faster_neighbour():
     assert all(abs(r - round(r)) < 1e-9 for r in rows)
 
 
+def test_weights_make_room_for_rows_rounded_whole():
+    """OPT-30B under CPU attention at 24x3, 16 GiB GPU, 100 GiB CPU, an H100 host as profiled, and
+    an LP solution with 1.9 rows of each batch's cache on the GPU and the rest in CPU memory.
+    Rounded down, the CPU is over its budget; rounded up, the GPU is. Neither fits as it stands,
+    but weights moved between the two make room: the candidate fits, and no placement of the
+    weights (GPU and CPU, on a 0.2% grid) over any rounding of the rows that fits is faster."""
+    import itertools
+    from pathlib import Path
+
+    from flexoff.policy.hardware import load
+    from flexoff.policy.search import BUMPS, _candidate, _fit_slots, _fits, round_policy
+
+    G = 2**30
+    hw = load(str(Path(__file__).parents[2] / "benchmarks" / "data" / "h100-measured.json"))
+    model = CostModel(spec("opt-30b"), hw, W512, Choice(24, 3, cpu_cache_compute=True))
+    budget = Budget(16 * G, 100 * G, 64 * G)
+    x = {"wg": 0.0935, "wc": 0.9065, "wd": 0.0, "cg": 0.0794, "cc": 0.9206, "cd": 0.0, "hg": 0.0, "hc": 1.0, "hd": 0.0}
+    roundings = [round_policy(_fit_slots(model, x, budget), model.ch, {"c": c, "h": h})[1]
+                 for c, h in itertools.product(BUMPS, BUMPS)]
+    assert not any(_fits(model.memory(f), budget) for f in roundings)
+    cand = _candidate(model, x, budget, None)
+    assert cand is not None and _fits(cand.prediction.memory, budget)
+    best = max(model.price(g).throughput for f in roundings for i in range(0, 1001, 2)
+               if _fits(model.memory(g := {**f, "wg": i / 1000, "wc": 1 - i / 1000}), budget) and model.holds(g))
+    assert cand.prediction.throughput >= best * (1 - 2e-3)
+
+
 def test_cpu_attention_is_priced_over_the_attention_and_mlp_pair():
     """With CPU attention and several GPU batches, a decode (attn, mlp) pair takes at least the
     host memory that the link's copies out of it and CPU attention's cache reads move, at the
