@@ -226,7 +226,7 @@ def run_block(engine: Engine, tokenizer: Tokenizer, block: list[Request], job_se
     t0 = time.perf_counter()
     res = engine.run_block(inputs + windows, gen_len, sampler, on_tokens, prompt_logprobs)
     if engine.device.type == "cuda" and not engine.policy.compress_cache:  # CPU attention over 16-bit rows
-        calibration.record(res.traffic_decode)  # beside a GPU: the rate it read at, for the next plans
+        calibration.record(res.traffic_decode, res.steps - 1)  # beside a GPU: how its lane read, for the next plans
     if windows:
         assert rider is not None and res.train is not None
         rider.done(res.train)

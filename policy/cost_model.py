@@ -99,6 +99,17 @@ def host_read_bdw(hw: Hardware) -> float:
     return hw.host_read_bdw or HOST_READ_OVER_MEMCPY * hw.cpu_mem_bdw
 
 
+def page_cache_copy_s(nbytes: Any, hw: Hardware) -> Any:
+    """Seconds of host memory that buffered disk reads of `nbytes` take beside the link's copies
+    and CPU attention's reads: the kernel copies each byte out of the page cache, reading and
+    writing it (the engine reads the disk tier with preadv). CPU attention's lane loses them:
+    in the 13 sessions whose OPT-30B decodes on H100s and H200s ran CPU attention both with and
+    without disk reads (benchmarks/results/2026-11-2*), the lane read the cache 0.96x as fast in
+    those with (the median of the sessions' ratios of median rates; 0.79-1.11); net of these
+    seconds, 1.00x (0.82-1.15)."""
+    return 2 * nbytes / host_read_bdw(hw)
+
+
 @dataclass(frozen=True)
 class Workload:
     prompt_len: int  # s
@@ -280,10 +291,12 @@ class CostModel:
 
     def cpu_attention(self, x: Mapping[str, Any]) -> tuple[Any, Any]:
         """Decode CPU attention of one attention layer: the cache bytes it reads, and its seconds
-        (one call per GPU batch, each CPU_ATTN_CALL_S beyond its reads)."""
+        (one call per GPU batch, each CPU_ATTN_CALL_S beyond its reads, and the host memory that
+        the disk reads of its (attn, mlp) pair take, page_cache_copy_s)."""
         hw, bls, ctx = self.hw, self.ch.bls, self.work.prompt_len + self.work.gen_len / 2
         read = x["cc"] * bls * ctx * self.kv
-        sec = read / hw.cpu_attn_bdw + self.ch.num_gpu_batches * CPU_ATTN_CALL_S
+        sec = read / hw.cpu_attn_bdw + self.ch.num_gpu_batches * CPU_ATTN_CALL_S \
+            + page_cache_copy_s(self.pair_disk_bytes(x), hw)
         if self.ch.compress_cache:
             sec += x["cc"] * bls * ctx * self.kv_dense / hw.cpu_dequant_bdw
         return read, sec
@@ -299,8 +312,9 @@ class CostModel:
         lane waits for each batch's queries, so it is busy CPU_LANE_SHARE of the pair at most); and
         host memory (`cpu_mem`), which the link's copies out of it and CPU attention's reads
         share, at host_read_bdw (the profile's measurement, else HOST_READ_OVER_MEMCPY times
-        `cpu_mem_bdw`). With the GPU attending over staged rows of several GPU batches (overlap
-        on), the link and host memory terms alike. The host's work for the pair's steps,
+        `cpu_mem_bdw`), and the disk reads' copies out of the page cache. With the GPU
+        attending over staged rows of several GPU batches (overlap on), the link and host
+        memory terms alike. The host's work for the pair's steps,
         weighted by HOST_WEIGHT (for the LP a bound the pair keeps; pair_pool combines it with
         the link's). Where the GPU attends over staged rows, their disk reads add to the link's
         time: rows load one step ahead only, and a step's compute waits on the host for its
@@ -319,13 +333,19 @@ class CostModel:
         reads = disk / self.dtoc_bdw  # under GPU attention read one step ahead: added to the link's
         read, sec = self.cpu_attention(x) if self.ch.cpu_cache_compute else (0, 0)
         out = {"ctog": link + (reads if self.staged_pool else 0), "dtoc": attn["dtoc"] + mlp["dtoc"] + reads,
-               "cpu_mem": (link * rate + read) / host_read_bdw(hw),
+               "cpu_mem": (link * rate + read) / host_read_bdw(hw) + page_cache_copy_s(self.pair_disk_bytes(x), hw),
                "host": HOST_WEIGHT * (attn["host"] + mlp["host"])}
         if self.cpu_pooled:
             out["cpu_comp"] = sec / CPU_LANE_SHARE
             nb = self.ch.num_gpu_batches  # what the link waits beyond its bytes (CPU_CALL_EXPOSED)
             out["ctog"] += CPU_CALL_EXPOSED / (nb - 1) ** 3 * sec / nb
         return out
+
+    def pair_disk_bytes(self, x: Mapping[str, Any]) -> Any:
+        """Decode bytes an (attn, mlp) pair of layers reads from the disk tier: its weights there
+        and the attention layer's cache rows there (hidden states on disk left out: token steps
+        keep them on the GPU)."""
+        return x["wd"] * (self.W["attn"] + self.W["mlp"]) + self.staged_bytes(x)[0]
 
     def staged_bytes(self, x: Mapping[str, Any]) -> tuple[Any, Any]:
         """Decode bytes of one attention layer's staged cache rows, at the average context: those
