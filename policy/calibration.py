@@ -7,7 +7,7 @@ decode's lane gives a read rate (the cache bytes it read over its busy seconds, 
 model prices apart: CPU_ATTN_CALL_S per call, and the host memory its disk reads took,
 page_cache_copy_s; over a 16-bit cache, which the caller checks); which decodes are long enough to
 count (a few token steps are mostly the first step's one-time costs: warm-ups read 31-53 GB/s on
-hosts whose full decodes read 40-48); how many recent ones count (their median); and that only a
+hosts whose full decodes read 38-49); how many recent ones count (their median); and that only a
 profile measured on this machine (its `machine` field) is calibrated. FLEXOFF_CALIBRATE=0 turns
 both halves off.
 Does not know: the engine (it is handed a decode's counters) or the search.
