@@ -16,7 +16,7 @@ from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
-from flexoff.offload.engine import BatchInput, Engine, TrainResult
+from flexoff.offload.engine import BatchInput, BlockResult, Engine, TrainResult
 from flexoff.policy import calibration
 from flexoff.sampling import BlockSampler, SamplingParams, TokenLogprobs, row_seed
 from flexoff.tokenizer import Tokenizer
@@ -188,6 +188,13 @@ class Rider(Protocol):
     def block(self, seconds: float, windows: int) -> None: ...  # every block's seconds, its window batches
 
 
+def keep_lane_counters(engine: Any, res: BlockResult) -> None:
+    """Beside a GPU, a block's decode with CPU attention over 16-bit cache rows keeps how its
+    lane read, for the plans after it (policy.calibration; it decides whether the decode counts)."""
+    if engine.device.type == "cuda" and not engine.policy.compress_cache:
+        calibration.record(res.traffic_decode, res.steps - 1)
+
+
 def run_block(engine: Engine, tokenizer: Tokenizer, block: list[Request], job_seed: int,
               prompt_logprobs: bool = False,
               on_logits: Callable[[int, list[str], torch.Tensor], None] | None = None,
@@ -225,8 +232,7 @@ def run_block(engine: Engine, tokenizer: Tokenizer, block: list[Request], job_se
     windows = rider.windows(S, room, gbs) if rider is not None and room > 0 else []
     t0 = time.perf_counter()
     res = engine.run_block(inputs + windows, gen_len, sampler, on_tokens, prompt_logprobs)
-    if engine.device.type == "cuda" and not engine.policy.compress_cache:  # CPU attention over 16-bit rows
-        calibration.record(res.traffic_decode, res.steps - 1)  # beside a GPU: how its lane read, for the next plans
+    keep_lane_counters(engine, res)
     if windows:
         assert rider is not None and res.train is not None
         rider.done(res.train)

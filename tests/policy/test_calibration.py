@@ -155,3 +155,26 @@ def test_disk_reads_beside_cpu_attention_take_host_memory_from_the_lane():
     layers = sum(terms[("g", k)]["ctog"] - terms_cpu[("g", k)]["ctog"] for k in ("attn", "mlp")) * rate
     staged, unread, copied = rows, rows, 2 * rows  # to the GPU; by CPU attention; by the page-cache copies
     assert pool["cpu_mem"] - pool_cpu["cpu_mem"] == pytest.approx((layers + staged - unread + copied) / hw.host_read_bdw)
+
+
+def test_a_gpu_blocks_decode_over_a_16_bit_cache_is_kept_and_others_are_not(cache):
+    """The engine's hook (flexoff.generation.keep_lane_counters): a block on a GPU with a 16-bit
+    cache keeps its decode's counters; a warm-up's few token steps, a 4-bit cache (its lane also
+    dequantizes) and a CPU device keep nothing."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from flexoff.generation import keep_lane_counters
+    from flexoff.offload.engine import BlockResult
+
+    def engine(device: str, compress_cache: bool = False) -> SimpleNamespace:
+        return SimpleNamespace(device=torch.device(device), policy=SimpleNamespace(compress_cache=compress_cache))
+
+    traffic = decode(40e9 * 3.0, 3.0, 2000, disk=5e9)
+    for eng, steps in ((engine("cuda"), 4), (engine("cuda", True), 32), (engine("cpu"), 32)):
+        keep_lane_counters(eng, BlockResult(1.0, 30.0, steps, traffic_decode=traffic))
+        assert calibration.read_decodes(calibration.path()) == []
+    keep_lane_counters(engine("cuda"), BlockResult(1.0, 30.0, 32, traffic_decode=traffic))
+    kept = calibration.read_decodes(calibration.path())
+    assert len(kept) == 1 and calibration.lane_rate(kept[0], here()) == pytest.approx(40e9)
