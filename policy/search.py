@@ -223,8 +223,8 @@ def _candidate(model: CostModel, x: dict[str, float], budget: Budget, max_latenc
     roundings = [round_policy(x, model.ch, {"c": cu, "h": hu}) for cu, hu in itertools.product(BUMPS, BUMPS)]
     best = _best(model, roundings, budget, max_latency)
     if best is None:
-        rows = {tuple(frac[v] for v in model.vars if v[0] in "ch"): frac for _, frac in roundings}
-        best = _best(model, [r for frac in rows.values() if (r := _weights_around(model, frac, budget, max_latency))],
+        distinct = {tuple(_rows(model, frac).values()): frac for _, frac in roundings}
+        best = _best(model, [r for frac in distinct.values() if (r := _weights_around(model, frac, budget, max_latency))],
                      budget, max_latency)
     return best
 
@@ -297,13 +297,18 @@ def search_training(spec: ModelSpec, hw: Hardware, seq_len: int, batch: int, bud
     return [c for c, _ in out]
 
 
+def _rows(model: CostModel, frac: dict[str, float]) -> dict[str, float]:
+    """A placement's row fractions: its cache's and hidden states' (what rounds to whole rows)."""
+    return {v: frac[v] for v in model.vars if v[0] in "ch"}
+
+
 def _weights_around(model: CostModel, frac: dict[str, float], budget: Budget,
                     max_latency: float | None) -> tuple[Policy, dict[str, float]] | None:
     """The rounding `frac` with its rows (cache, hidden states) kept whole and the weights placed
     again by the LP around them, rounded as the search rounds; None where nothing fits. A row a
     tier gains in rounding can take more than the LP left free there, while the weights could
     make up for it in another tier."""
-    rows = {v: frac[v] for v in model.vars if v[0] in "ch"}
+    rows = _rows(model, frac)
     sol = solve_lp(model, budget, max_latency, fixed=rows)
     if sol is None:
         return None
