@@ -99,6 +99,7 @@ class Bench:
         self.warmup: str | None = None
         self.warmed = False
         self.searched: dict[Any, Any] = {}  # a searched policy -> how to search it again
+        self.round = 0  # which pass over the --policy list (--rounds)
 
     def resolve(self, spec: Any, prompt_len: int, gen_len: int, n: int | None, **search: Any) -> Any:
         from flexoff.autopolicy import auto_policy
@@ -135,6 +136,7 @@ class Bench:
                                                           "error": f"{type(e).__name__}: {e}"}])
             self.llm.drop_engine()  # the next run starts from a clean engine; weights stay resident
             return None
+        rec["round"] = self.round
         self.done[key] = rec
         if self.out is not None:
             write_jsonl(self.out / "runs.jsonl", [rec])  # every run as it ends (survives a timeout)
@@ -403,6 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", nargs="?", const="each", choices=("each", "first"), default=None,
                     help="each: run each policy once, unrecorded, before its run; first: a short unrecorded "
                          f"run ({WARMUP_TOKENS} tokens) of the first policy only")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the --policy list this many times over in one process, each run measured "
+                         "afresh (a searched policy searched again, with the rates the runs before kept)")
     ap.add_argument("--no-flexoff", action="store_true", help="only the baseline")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     ap.add_argument("--replot", type=Path, nargs="+", default=None, metavar="RECORDS",
@@ -414,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
         return smoke(args.out)
     if args.replot:
         return replot(args.replot, args.out)
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds must be at least 1, not {args.rounds}")
     if args.ablations:
         args.ablations = args.ablations.split(",")
         if unknown := set(args.ablations) - set(ABLATIONS):
@@ -442,15 +449,19 @@ def sweep(bench: Bench, args: argparse.Namespace, model: str, s: int, n: int) ->
     """The policies, ablations and frontier shapes asked for, at one workload; the frontier
     is drawn from every run of the workload."""
     out = []
-    for text in args.policy or []:
-        try:
-            p = bench.resolve(parse_policy(text), s, n, None)
-        except Exception as e:
-            print(f"{text}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
-            continue
-        r = bench.run(text, p, s, n)
-        if r is not None:
-            out.append(r)
+    for round_ in range(args.rounds):
+        bench.round = round_
+        if round_:
+            bench.done.clear()  # measured afresh, not taken from the round before
+        for text in args.policy or []:
+            try:
+                p = bench.resolve(parse_policy(text), s, n, None)
+            except Exception as e:
+                print(f"{text}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+                continue
+            r = bench.run(text, p, s, n)
+            if r is not None:
+                out.append(r)
     if args.ablations:
         out += ablations(bench, s, n, args.ablations)
     if args.frontier:
