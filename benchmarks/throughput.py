@@ -100,6 +100,7 @@ class Bench:
         self.warmed = False
         self.searched: dict[Any, Any] = {}  # a searched policy -> how to search it again
         self.round = 0  # which pass over the --policy list (--rounds)
+        self.trials: dict[Any, list[dict[str, Any]]] = {}  # a searched policy -> the trials that chose it
 
     def resolve(self, spec: Any, prompt_len: int, gen_len: int, n: int | None, **search: Any) -> Any:
         from flexoff.autopolicy import auto_policy
@@ -108,6 +109,7 @@ class Bench:
             self.llm.compression = ("auto", "auto") if spec == "auto+c" else ("off", "off")
             p = auto_policy(self.llm, prompt_len, gen_len, n, **search)
             self.searched[p] = lambda: self.resolve(spec, prompt_len, gen_len, n, **search)
+            self.trials[p] = [t.as_dict() for t in self.llm.last_trials]
             return p
         return spec
 
@@ -115,7 +117,7 @@ class Bench:
             kind: str = "run") -> dict[str, Any] | None:
         """A full run of one block (or num_prompts prompts); None once past the deadline."""
         key = (policy, prompt_len, gen_len, num_prompts)
-        if key in self.done:
+        if key in self.done and label not in ("auto", "auto+c"):  # a search's pick runs under its own label
             return dict(self.done[key], label=label, kind=kind, same_run_as=self.done[key]["label"])
         if time.time() > self.deadline:
             print(f"skipped {label}: past the time budget", file=sys.stderr, flush=True)
@@ -218,6 +220,9 @@ class Bench:
                "peak_bytes": st.peak_bytes, "peak_gpu_GiB": st.peak_bytes.get("gpu", 0) / gib,
                "peak_cpu_GiB": st.peak_bytes.get("cpu", 0) / gib, **watch.stats(), "hardware": self.hw.name,
                "priced_cpu_attn_bdw": self.hw.cpu_attn_bdw, **self.env}
+        if label in ("auto", "auto+c") and self.trials.get(policy):  # what timing the search's picks took (not in this run's times)
+            rec["auto_trials"] = self.trials[policy]
+            rec["auto_trials_s"] = sum(t["seconds"] for t in self.trials[policy])
         return rec
 
     def close(self) -> None:
@@ -454,6 +459,9 @@ def sweep(bench: Bench, args: argparse.Namespace, model: str, s: int, n: int) ->
         if round_:
             bench.done.clear()  # measured afresh, not taken from the round before
         for text in args.policy or []:
+            if time.time() > bench.deadline:
+                print(f"skipped {text}: past the time budget", file=sys.stderr, flush=True)
+                continue
             try:
                 p = bench.resolve(parse_policy(text), s, n, None)
             except Exception as e:

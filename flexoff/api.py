@@ -172,6 +172,7 @@ class LLM:
         self.hardware = hardware
         self.last_policy: Policy | None = None
         self.gpu_margin = 0  # GPU bytes --policy auto leaves unplanned, raised after running out
+        self.last_trials: list[Any] = []  # `--policy auto`'s last trials (flexoff.trials.Trial)
         self.last_oom: dict[str, Any] | None = None  # what the GPU's last running out looked like
         self.compression = compression  # what --policy auto may use: off / on / auto, weights and cache
         self.engine: Engine | None = None

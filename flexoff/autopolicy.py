@@ -16,13 +16,14 @@ from typing import Any, Callable
 
 import click
 
-from flexoff import profiler
+from flexoff import profiler, trials
 from flexoff.errors import MemoryBudgetError
 from flexoff.offload.adapters import Need
 from flexoff.offload.engine import adapter_bytes
 from flexoff.offload.layout import Layout
 from flexoff.offload.memory import MemoryPlan, check, plan_memory
 from flexoff.offload.placement import TIERS
+from flexoff.policy.calibration import at_cpu_attention
 from flexoff.policy.coserve_cost import CoServePlan, rank, search_coserve
 from flexoff.policy.cost_model import Workload
 from flexoff.policy.policy import Policy
@@ -102,13 +103,36 @@ def auto_policy(llm: Any, prompt_len: int, gen_len: int, num_prompts: int | None
         search_args["shapes"] = default_shapes(num_prompts, stages)
     args = {"compress_weight": llm.compression[0], "compress_cache": llm.compression[1], **search_args}
 
-    def searched(b: Budget) -> list[Candidate]:
-        cands = search(llm.plan_spec, hw, work, b, **args)
-        for c in cands:  # a stage's share of the searched block
-            c.policy = c.policy.replace(num_gpu_batches=c.policy.num_gpu_batches // stages)
-        return cands
+    def at(rate: float) -> Candidate:  # the best that fits, CPU attention priced at `rate`
+        priced = at_cpu_attention(hw, rate) if rate != hw.cpu_attn_bdw else hw
 
-    return _first_that_fits(llm, budget, searched, lambda c: engine_plan(llm, c.policy, prompt_len, gen_len)).policy
+        def searched(b: Budget) -> list[Candidate]:
+            cands = search(llm.plan_spec, priced, work, b, **args)
+            for c in cands:  # a stage's share of the searched block
+                c.policy = c.policy.replace(num_gpu_batches=c.policy.num_gpu_batches // stages)
+            return cands
+
+        return _first_that_fits(llm, budget, searched, lambda c: engine_plan(llm, c.policy, prompt_len, gen_len))
+
+    best = at(hw.cpu_attn_bdw)
+    llm.last_trials = []
+    if not trials.applies(llm, stages, hw):
+        return best.policy
+    cands = [best]
+    for f in (1 - trials.LANE_SPREAD, 1 + trials.LANE_SPREAD):
+        try:
+            cands.append(at(hw.cpu_attn_bdw * f))
+        except MemoryBudgetError:  # nothing searched at that rate passes the engine's check
+            pass
+    cands = trials.distinct(cands)
+    if not trials.worth_trying(cands, gen_len, num_prompts):
+        return best.policy
+    say = lambda s: click.echo(s, err=True)  # noqa: E731
+    say(f"timing {len(cands)} searched policies the cost model ranks within its error "
+        f"(CPU attention at {hw.cpu_attn_bdw / 1e9:.1f} GB/s and {trials.LANE_SPREAD:.0%} either side; "
+        f"{trials.ENV}=0 to take the first)")
+    policy, llm.last_trials = trials.choose(llm, cands, prompt_len, gen_len, say)
+    return policy
 
 
 def auto_training_policy(llm: Any, seq_len: int, batch: int, adapter: str) -> Candidate:
