@@ -220,7 +220,7 @@ class Bench:
                "peak_bytes": st.peak_bytes, "peak_gpu_GiB": st.peak_bytes.get("gpu", 0) / gib,
                "peak_cpu_GiB": st.peak_bytes.get("cpu", 0) / gib, **watch.stats(), "hardware": self.hw.name,
                "priced_cpu_attn_bdw": self.hw.cpu_attn_bdw, **self.env}
-        if label in ("auto", "auto+c") and self.trials.get(policy):  # what timing the search's picks took (not in this run's times)
+        if label in ("auto", "auto+c") and self.trials.get(policy):  # what choosing it took (not in its times)
             rec["auto_trials"] = self.trials[policy]
             rec["auto_trials_s"] = sum(t["seconds"] for t in self.trials[policy])
         return rec

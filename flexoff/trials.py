@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from flexoff.errors import GpuOutOfMemoryError
 from flexoff.policy.policy import Policy
 from flexoff.policy.search import Candidate
 from flexoff.sampling import SamplingParams
@@ -95,12 +96,14 @@ def measure(llm: Any, policy: Policy, prompt_len: int, gen_len: int) -> float:
     vocab = llm.model.spec.vocab_size
     prompts = [{"prompt_ids": torch.randint(3, vocab, (prompt_len,), generator=g).tolist(), "id": f"trial-{i}"}
                for i in range(policy.block_size)]
-    shown, llm.progress = llm.progress, False
+    # quietly, and as a given policy: running out of GPU memory fails the trial, not search again
+    shown, asked = llm.progress, llm.policy_arg
+    llm.progress, llm.policy_arg = False, policy
     try:
         llm.engine_for(policy, prompt_len, gen_len)
         st = llm.generate(prompts, SamplingParams(max_new_tokens=tokens, ignore_eos=True), policy=policy).stats
     finally:
-        llm.progress = shown
+        llm.progress, llm.policy_arg = shown, asked
     steps = tokens - 1
     t = block_seconds(st.prefill_s, st.decode_s, steps, gen_len) if steps else st.prefill_s
     return policy.block_size * gen_len / t
@@ -117,7 +120,7 @@ def choose(llm: Any, cands: Sequence[Candidate], prompt_len: int, gen_len: int,
         t0 = time.perf_counter()
         try:
             rate = measure(llm, c.policy, prompt_len, gen_len)
-        except torch.OutOfMemoryError:
+        except (torch.OutOfMemoryError, GpuOutOfMemoryError):
             llm.drop_engine()
             rate = None
         seconds = time.perf_counter() - t0

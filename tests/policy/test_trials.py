@@ -95,3 +95,24 @@ def test_auto_runs_the_job_after_timing_its_candidates(tiny, tiny_refs, tmp_path
     assert len(done) == 2 and all(t.tok_s for t in done)  # the low rate's plan is the priced one's
     assert out.policy == max(done, key=lambda t: t.tok_s).policy
     assert [c.token_ids for c in out.completions] == [r for r, _ in tiny_refs["llama"]]
+
+
+def test_a_trial_that_runs_out_of_gpu_memory_is_left_out_not_searched_again(tiny, monkeypatch):
+    import torch
+
+    import flexoff.api as api
+    from flexoff import LLM, trials
+
+    real = api.run_block
+
+    def short_of_memory(engine, *args, **kw):  # the first candidate's blocks run out (simulated)
+        if engine.policy == EIGHT_OF_ONE:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(engine, *args, **kw)
+
+    monkeypatch.setattr(api, "run_block", short_of_memory)
+    with LLM(str(tiny["llama"].path), policy="auto", device="cpu", dtype="float32", progress=True) as llm:
+        chosen, done = trials.choose(llm, [cand(EIGHT_OF_ONE, 100.0), cand(ONE_OF_EIGHT, 90.0)], 12, 16)
+        assert llm.policy_arg == "auto" and llm.progress is True  # both given back
+    assert chosen == ONE_OF_EIGHT
+    assert {t.policy: t.tok_s is None for t in done} == {EIGHT_OF_ONE: True, ONE_OF_EIGHT: False}
