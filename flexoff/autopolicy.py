@@ -116,8 +116,8 @@ def auto_policy(llm: Any, prompt_len: int, gen_len: int, num_prompts: int | None
 
     best = at(hw.cpu_attn_bdw)
     llm.last_trials = []
-    if not trials.applies(llm, stages, hw):
-        return best.policy
+    if not trials.applies(llm, stages, hw) or not trials.worth_trying([best, best], gen_len, num_prompts):
+        return best.policy  # (even two trials of the best would cost too large a share of the job)
     cands = [best]
     for f in (1 - trials.LANE_SPREAD, 1 + trials.LANE_SPREAD):
         try:
