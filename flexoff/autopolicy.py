@@ -117,7 +117,7 @@ def auto_policy(llm: Any, prompt_len: int, gen_len: int, num_prompts: int | None
     best = at(hw.cpu_attn_bdw)
     llm.last_trials = []
     if not trials.applies(llm, stages, hw) or not trials.worth_trying([best, best], gen_len, num_prompts):
-        return best.policy  # (even two trials of the best would cost too large a share of the job)
+        return best.policy  # (even the fewest trials, two plans like the best, would cost too much)
     cands = [best]
     for f in (1 - trials.LANE_SPREAD, 1 + trials.LANE_SPREAD):
         try:

@@ -6,7 +6,8 @@ read least reliably, and the one that moves the GPU's room between weights and c
 trials pay for themselves (a GPU, no pipeline, no adapters, and a job predicted to run at least
 1 / TRIAL_SHARE times their cost, or of unknown length: a benchmark's block standing for a long
 job), what a trial runs (one block of the job's longest prompt, TRIAL_TOKENS tokens per row, end
-of sequence ignored, on an engine sized for the whole generation, so that the winner's is kept),
+of sequence ignored, on an engine sized for the whole generation, so that the job reuses the last
+one's where it won),
 and how a trial's time becomes a block's (its prefill, plus its decode steps' mean time for each
 of the block's steps). `FLEXOFF_TRIALS=0` turns trials off.
 Does not know: the cost model's terms (policy/) or the schedule (offload/).
@@ -83,7 +84,7 @@ def worth_trying(cands: Sequence[Candidate], gen_len: int, num_prompts: int | No
     best = cands[0]
     job = math.ceil(num_prompts / best.policy.block_size) * best.prediction.latency
     share = min(1.0, (TRIAL_TOKENS - 1) / max(1, gen_len - 1))
-    cost = sum(c.prediction.prefill_s + share * c.prediction.decode_s for c in cands)
+    cost = sum(c.prediction.prefill_s + share * c.prediction.decode_s for c in [cands[0], *cands])  # first twice
     return cost <= TRIAL_SHARE * job
 
 
@@ -112,9 +113,10 @@ def measure(llm: Any, policy: Policy, prompt_len: int, gen_len: int) -> float:
 def choose(llm: Any, cands: Sequence[Candidate], prompt_len: int, gen_len: int,
            log: Callable[[str], None] = lambda s: None) -> tuple[Policy, list[Trial]]:
     """The candidate whose trial ran fastest, and every trial (best searched first; a candidate
-    that runs out of GPU memory is left out). The first candidate is timed again last, once the
-    process is warm, and its better time kept."""
-    order = list(cands) + [cands[0]]
+    that runs out of GPU memory is left out). The first candidate is timed twice, back to back on
+    one engine (the first time warms the process), and its better time kept; the last timed
+    keeps its engine for the job."""
+    order = [cands[0]] + list(cands)
     trials: dict[Policy, Trial] = {}
     for i, c in enumerate(order):
         t0 = time.perf_counter()
