@@ -33,6 +33,7 @@ import torch
 
 from common import AllocatorWatch, environment, table, write_jsonl
 
+from flexoff.dummy import random_prompts
 from flexoff.errors import GpuOutOfMemoryError
 
 COLUMNS = ["label", "model", "policy", "prefill_s", "decode_s", "gen_tok_s", "decode_tok_s", "predicted_tok_s",
@@ -58,10 +59,13 @@ def decode_bounds(link_bytes: float, lane_bytes: float, hw: Any) -> dict[str, fl
     return {"link": link, "lane": lane, "shared": shared, "host": host, "bound": max(link, lane, shared, host)}
 
 
+SEARCHED = ("auto", "auto+c")  # policies the search picks (auto+c: compression allowed)
+
+
 def parse_policy(text: str) -> Any:
     from flexoff.policy.policy import Policy
 
-    if text in ("auto", "auto+c"):
+    if text in SEARCHED:
         return text
     if text.endswith(".json"):
         return Policy.load(text)
@@ -105,7 +109,7 @@ class Bench:
     def resolve(self, spec: Any, prompt_len: int, gen_len: int, n: int | None, **search: Any) -> Any:
         from flexoff.autopolicy import auto_policy
 
-        if spec in ("auto", "auto+c"):
+        if spec in SEARCHED:
             self.llm.compression = ("auto", "auto") if spec == "auto+c" else ("off", "off")
             p = auto_policy(self.llm, prompt_len, gen_len, n, **search)
             self.searched[p] = lambda: self.resolve(spec, prompt_len, gen_len, n, **search)
@@ -117,7 +121,7 @@ class Bench:
             kind: str = "run") -> dict[str, Any] | None:
         """A full run of one block (or num_prompts prompts); None once past the deadline."""
         key = (policy, prompt_len, gen_len, num_prompts)
-        if key in self.done and label not in ("auto", "auto+c"):  # a search's pick runs under its own label
+        if key in self.done and label not in SEARCHED:  # a search's pick runs under its own label
             return dict(self.done[key], label=label, kind=kind, same_run_as=self.done[key]["label"])
         if time.time() > self.deadline:
             print(f"skipped {label}: past the time budget", file=sys.stderr, flush=True)
@@ -189,9 +193,7 @@ class Bench:
 
         spec = self.llm.model.spec
         n = num_prompts or policy.block_size
-        g = torch.Generator().manual_seed(len(label))
-        prompts = [{"prompt_ids": torch.randint(3, spec.vocab_size, (prompt_len,), generator=g).tolist(),
-                    "id": str(i)} for i in range(n)]
+        prompts = random_prompts(n, prompt_len, spec.vocab_size, len(label))
         self.llm.policy_arg = policy
         watch = AllocatorWatch()
         t0 = time.perf_counter()
@@ -220,7 +222,7 @@ class Bench:
                "peak_bytes": st.peak_bytes, "peak_gpu_GiB": st.peak_bytes.get("gpu", 0) / gib,
                "peak_cpu_GiB": st.peak_bytes.get("cpu", 0) / gib, **watch.stats(), "hardware": self.hw.name,
                "priced_cpu_attn_bdw": self.hw.cpu_attn_bdw, **self.env}
-        if label in ("auto", "auto+c") and self.trials.get(policy):  # what choosing it took (not in its times)
+        if label in SEARCHED and self.trials.get(policy):  # what choosing it took (not in its times)
             rec["auto_trials"] = self.trials[policy]
             rec["auto_trials_s"] = sum(t["seconds"] for t in self.trials[policy])
         return rec

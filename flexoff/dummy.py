@@ -3,7 +3,7 @@
 Knows: Hugging Face configs of OPT-125M ... OPT-175B and LLaMA-7B/13B/70B
 shapes (plus tiny ones for tests), and how to make a layer's random weights,
 deterministically from (seed, layer), one layer at a time so even a 175B model
-never exists in memory at full precision.
+never exists in memory at full precision; and seeded random prompts for timing runs.
 Does not know: placement (the engine stores each layer as it is made).
 """
 
@@ -89,3 +89,11 @@ class DummySource:
                 x = x / math.sqrt(t.shape[-1])
             out[t.name] = x
         return out
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int = 0, prefix: str = "") -> list[dict[str, Any]]:
+    """`n` prompts of `length` token ids drawn from [3, vocab) (past the usual special ids),
+    seeded, each with its id (`prefix` and its index)."""
+    g = torch.Generator().manual_seed(seed)
+    return [{"prompt_ids": torch.randint(3, vocab, (length,), generator=g).tolist(), "id": f"{prefix}{i}"}
+            for i in range(n)]

@@ -20,7 +20,7 @@ import torch
 
 from flexoff.adapters.peft import Adapter, LoraModule
 from flexoff.api import LLM
-from flexoff.dummy import CONFIGS
+from flexoff.dummy import CONFIGS, random_prompts
 from flexoff.policy import hardware
 from flexoff.policy.hardware import Hardware
 from flexoff.policy.policy import Policy
@@ -78,9 +78,7 @@ def decode_link_rate(dev: torch.device, offload_dir: str | None = None, repeats:
     if dev.type != "cuda":
         return 0.0
     policy = link_probe()
-    g = torch.Generator().manual_seed(0)
-    prompts = [{"prompt_ids": torch.randint(3, PROBE_VOCAB, (prompt_len,), generator=g).tolist()}
-               for _ in range(policy.block_size)]
+    prompts = random_prompts(policy.block_size, prompt_len, PROBE_VOCAB)
     with probe_model(blocks=2, widths="opt-6.7b") as model, \
             LLM(model, policy=policy, device=dev, offload_dir=offload_dir) as llm:
         llm.model.tokenizer.eos_ids = ()  # every step runs

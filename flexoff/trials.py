@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from flexoff.dummy import random_prompts
 from flexoff.errors import GpuOutOfMemoryError
 from flexoff.policy.policy import Policy
 from flexoff.policy.search import Candidate
@@ -93,10 +94,7 @@ def measure(llm: Any, policy: Policy, prompt_len: int, gen_len: int) -> float:
     random prompts of `prompt_len` tokens. The engine is sized for `gen_len` tokens, so that the
     run after reuses it when this policy wins and ran last."""
     tokens = min(TRIAL_TOKENS, gen_len)
-    g = torch.Generator().manual_seed(prompt_len)
-    vocab = llm.model.spec.vocab_size
-    prompts = [{"prompt_ids": torch.randint(3, vocab, (prompt_len,), generator=g).tolist(), "id": f"trial-{i}"}
-               for i in range(policy.block_size)]
+    prompts = random_prompts(policy.block_size, prompt_len, llm.model.spec.vocab_size, prompt_len, "trial-")
     # quietly, and as a given policy: running out of GPU memory fails the trial, not search again
     shown, asked = llm.progress, llm.policy_arg
     llm.progress, llm.policy_arg = False, policy
