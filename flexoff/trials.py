@@ -33,6 +33,7 @@ ENV = "FLEXOFF_TRIALS"
 LANE_SPREAD = 0.15  # CPU attention's rate, searched this much lower and higher than priced
 TRIAL_TOKENS = 9  # tokens per row: the prefill's and 8 decode steps (enough for calibration to keep)
 TRIAL_SHARE = 0.05  # trials may cost at most this share of the job's predicted time
+SETUP_S = 30.0  # an engine's set-up for a plan's trial: 2-30 s for OPT-30B plans on an H100 (RESULTS.md, 2026-11-28)
 
 
 @dataclass
@@ -77,7 +78,8 @@ def block_seconds(prefill_s: float, decode_s: float, steps: int, gen_len: int) -
 
 def worth_trying(cands: Sequence[Candidate], gen_len: int, num_prompts: int | None) -> bool:
     """Whether timing these (distinct) candidates costs at most TRIAL_SHARE of the job as the best
-    of them is predicted to run it (a job of unknown length is taken as long)."""
+    of them is predicted to run it (a job of unknown length is taken as long). A trial costs its
+    block's predicted time and, once per plan, an engine's set-up (SETUP_S)."""
     if len(cands) < 2:
         return False
     if num_prompts is None:
@@ -86,6 +88,7 @@ def worth_trying(cands: Sequence[Candidate], gen_len: int, num_prompts: int | No
     job = math.ceil(num_prompts / best.policy.block_size) * best.prediction.latency
     share = min(1.0, (TRIAL_TOKENS - 1) / max(1, gen_len - 1))
     cost = sum(c.prediction.prefill_s + share * c.prediction.decode_s for c in [cands[0], *cands])  # first twice
+    cost += SETUP_S * len(cands)
     return cost <= TRIAL_SHARE * job
 
 

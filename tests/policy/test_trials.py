@@ -46,15 +46,15 @@ def test_a_trial_estimates_the_whole_block_from_its_steps():
 
 
 def test_trials_run_only_where_they_cost_a_small_share_of_the_job():
-    from flexoff.trials import TRIAL_SHARE, distinct, worth_trying
+    from flexoff.trials import SETUP_S, TRIAL_SHARE, distinct, worth_trying
 
     a, b = cand(Policy(gpu_batch_size=8, num_gpu_batches=2), 50.0), cand(ONE_OF_EIGHT, 45.0)
     assert distinct([a, b, cand(a.policy, 40.0)]) == [a, b]
     assert not worth_trying([a], 32, None)  # nothing to choose between
     assert worth_trying([a, b], 32, None)  # a job of unknown length: a benchmark's block standing for a long one
     # at 10 s a block of 16, three trials (the first plan twice) of 9 tokens in 32 cost about
-    # 3 x (1 + 9 x 8/31) = 10.0 s
-    blocks_needed = 10.0 / (TRIAL_SHARE * 10.0)
+    # 3 x (1 + 9 x 8/31) = 10.0 s, and two engines' set-ups
+    blocks_needed = (10.0 + 2 * SETUP_S) / (TRIAL_SHARE * 10.0)
     assert not worth_trying([a, b], 32, int(16 * (blocks_needed - 2)))
     assert worth_trying([a, b], 32, int(16 * (blocks_needed + 2)))
 
