@@ -9,6 +9,9 @@ Knows three settings, each a table of runs on the same weights in one process:
   under their searched policies, then for each of `--plan-bounds` the joint co-served plan
   (policy/coserve_cost.py) run with windows in every block, beside the plan's predictions. Rates
   are over the blocks after the first (the first places the weights of a new policy).
+- `--concurrent`: GPU-resident, training steps in a thread of their own beside the prompts, sharing
+  the GPU by streams (plain, inference at high priority, and training confined to `--train-sms`
+  SMs) instead of by blocks.
 - `--jobs N`: N finetuning jobs of equal size (each its own adapter and optimizer, steps of one GPU
   batch) riding on the same blocks, against one job given all their data (steps of N GPU batches):
   the aggregate training tokens/s of each.
@@ -234,6 +237,8 @@ def concurrent(b: Bench) -> None:
             with prioritized(high):
                 b.llm.generate(b.prompts[:gbs], max_new_tokens=2, policy=policy)
                 both_at_once(b, trainer, policy, "both at once" + (", inference streams high priority" if high else ""))
+        for sms in a.train_sms if a.device == "cuda" else []:
+            both_at_once(b, trainer, policy, f"both at once, training on {sms} SMs", train_sms=sms)
     b.ratios(gen_alone, train_alone)
 
 
@@ -259,20 +264,51 @@ def prioritized(high: bool) -> Any:
         torch.cuda.Stream = plain  # type: ignore[misc]
 
 
-def both_at_once(b: Bench, trainer: Any, policy: Any, label: str) -> None:
-    """Training steps in a thread (on a stream of their own) for as long as the prompts generate."""
+@contextlib.contextmanager
+def training_place(device: str, sms: int | None) -> Any:
+    """Where the training thread's work runs: nowhere special off CUDA; on CUDA a stream of the
+    lowest priority, or (`sms`) a CUDA green context of that many SMs, so that training cannot
+    take the SMs the inference kernels need (torch's `GreenContext`: a stream of its own where
+    torch has `Stream()`, else made current to this thread and used through its default stream)."""
+    if device != "cuda":
+        yield
+        return
+    if sms is None:
+        with torch.cuda.stream(PLAIN_STREAM(priority=0)):
+            yield
+        return
+    from torch.cuda.green_contexts import GreenContext
+
+    ctx = GreenContext.create(num_sms=sms)
+    if hasattr(ctx, "Stream"):
+        with torch.cuda.stream(ctx.Stream()):
+            yield
+        return
+    ctx.set_context()
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize()
+        ctx.pop_context()
+
+
+def both_at_once(b: Bench, trainer: Any, policy: Any, label: str, train_sms: int | None = None) -> None:
+    """Training steps in a thread (`training_place`) for as long as the prompts generate; a
+    failure of the thread (say, no green contexts in this torch) is recorded with the run."""
     import threading
 
-    stop, steps = threading.Event(), []
+    stop, steps, failed = threading.Event(), [], []
     per, a = trainer.cfg.per_step, b.args
 
     def train() -> None:
-        side = PLAIN_STREAM(priority=0) if a.device == "cuda" else None  # the lowest priority
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            while not stop.is_set():
-                k = len(steps) % (len(b.examples) // per)
-                trainer.step(b.examples[k * per:(k + 1) * per])
-                steps.append(time.perf_counter())
+        try:
+            with training_place(a.device, train_sms):
+                while not stop.is_set():
+                    k = len(steps) % (len(b.examples) // per)
+                    trainer.step(b.examples[k * per:(k + 1) * per])
+                    steps.append(time.perf_counter())
+        except Exception as e:  # the inference run goes on; its record says why training stopped
+            failed.append(f"{type(e).__name__}: {e}")
 
     worker = threading.Thread(target=train, daemon=True)
     t0 = time.perf_counter()
@@ -284,6 +320,11 @@ def both_at_once(b: Bench, trainer: Any, policy: Any, label: str) -> None:
     done = sum(t0 <= s <= t1 for s in steps)
     rec["train_tok_s"] = done * per * a.seq / (t1 - t0)
     rec["train_steps"] = done
+    if train_sms is not None:
+        rec["train_sms"] = train_sms
+    if failed:
+        rec["training_failed"] = failed[0]
+        print(f"{label}: training stopped: {failed[0]}", file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -298,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=0, help="instead: this many jobs against one with all their data")
     ap.add_argument("--concurrent", action="store_true",
                     help="instead: inference and training steps at once on two streams (GPU-resident)")
+    ap.add_argument("--train-sms", type=lambda s: [int(x) for x in s.split(",")], default=[],
+                    help="--concurrent: one more run for each of these SM counts given to training (a CUDA green context)")
     ap.add_argument("--gpu-batch-size", type=int, default=8)
     ap.add_argument("--infer-batches", type=int, default=8, help="inference GPU batches per block")
     ap.add_argument("--train-batches", type=int, default=1,

@@ -77,6 +77,22 @@ def test_finetune_curve_writes_both_bases(tmp_path):
     assert recs[0]["losses"][0] != recs[1]["losses"][0]  # the bases differ
 
 
+def test_coserve_concurrent_trains_beside_inference_without_changing_its_tokens(tmp_path):
+    """benchmarks/coserve.py --concurrent on a tiny model: training steps in a thread while the
+    prompts generate, the prompts' tokens those of the run alone (`--train-sms` is CUDA's only)."""
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "coserve.py"), "--model", "dummy:llama-tiny",
+                           "--device", "cpu", "--concurrent", "--prompts", "8", "--prompt-len", "16", "--gen-len", "4",
+                           "--seq", "32", "--examples", "16", "--gpu-batch-size", "2", "--infer-batches", "2",
+                           "--train-steps", "2", "--train-sms", "4", "--out", str(tmp_path / "c.jsonl")],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    recs = {r["run"]: r for r in map(json.loads, (tmp_path / "c.jsonl").read_text().splitlines())}
+    assert list(recs) == ["inference alone", "finetuning alone", "both at once"]
+    both = recs["both at once"]
+    assert both["same_tokens_as_alone"] == 1.0 and "training_failed" not in both
+    assert both["gen_tok_s"] > 0 and recs["finetuning alone"]["train_tok_s"] > 0
+
+
 def test_host_step_measures_a_policy_at_a_models_depth(tmp_path):
     """benchmarks/host_step.py --policy: the policy as given, at the depth of the model named (the
     tiny model's 2 blocks here: 6 engine layers), one record per policy."""
