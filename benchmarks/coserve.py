@@ -1,6 +1,6 @@
 """Co-serving on the GPU: inference alone, finetuning alone and both in the same blocks, in one run.
 
-Knows three settings, each a table of runs on the same weights in one process:
+Knows four settings, each a table of runs on the same weights in one process:
 - hand shapes (default): blocks of `--infer-batches` inference GPU batches and `--train-batches`
   window batches; the prompts alone, the finetuning steps alone (LoraTrainer, micro-batches of one
   GPU batch), and the prompts with the job riding on their blocks, every block and under an

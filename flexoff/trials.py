@@ -4,12 +4,12 @@ Knows: which plans are worth timing (the search's best at the CPU-attention rate
 that rate LANE_SPREAD lower and higher: the rate that profiles and the engine's own calibration
 read least reliably, and the one that moves the GPU's room between weights and cache rows), when
 trials pay for themselves (a GPU, no pipeline, no adapters, and a job predicted to run at least
-1 / TRIAL_SHARE times their cost, or of unknown length: a benchmark's block standing for a long
-job), what a trial runs (one block of the job's longest prompt, TRIAL_TOKENS tokens per row, end
-of sequence ignored, on an engine sized for the whole generation, so that the job reuses the last
-one's where it won),
-and how a trial's time becomes a block's (its prefill, plus its decode steps' mean time for each
-of the block's steps). `FLEXOFF_TRIALS=0` turns trials off.
+1 / TRIAL_SHARE times their cost, their blocks and an engine set-up per plan, or of unknown
+length: a benchmark's block standing for a long job), what a trial runs (one block of the job's
+longest prompt, TRIAL_TOKENS tokens per row, end of sequence ignored, on an engine sized for the
+whole generation, so that the job reuses the last one's where it won), and how a trial's time
+becomes a block's (its prefill, plus its decode steps' mean time for each of the block's steps).
+`FLEXOFF_TRIALS=0` turns trials off.
 Does not know: the cost model's terms (policy/) or the schedule (offload/).
 """
 
