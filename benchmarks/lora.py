@@ -79,6 +79,7 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     L.WRITE_FIRST = args.deltas == "first"
     L.SIDE_STREAM = args.side_stream == "on"
+    L.STACKED = args.stacked == "on"
     L.DECODE.update(json.loads(args.decode_tiling))
 
     g = torch.Generator().manual_seed(args.seed)
@@ -128,7 +129,7 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
         if not args.skip_cold:  # every adapter copied again
             runs.append(("cold", timed(m, prompts, args.gen_len, names, m.adapter_pool().drop_cache, policy=with_lora)))
         extra = {"adapters": args.adapters, "used_adapters": len(used), "mean_rank": mean_rank, "deltas": args.deltas,
-                 "decode_tiling": args.decode_tiling, "side_stream": args.side_stream,
+                 "decode_tiling": args.decode_tiling, "side_stream": args.side_stream, "stacked": args.stacked,
                  "policy": m.last_policy.describe(), "auto": auto, "setup_adapters_s": made,
                  "adapter_host_bytes": m.adapter_host_bytes()}
     for v, (one, full) in runs:
@@ -286,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="population: LoRA deltas written before the base matmul adds itself, or added after it")
     ap.add_argument("--side-stream", choices=("on", "off"), default="on",
                     help="population: decode deltas on a stream of their own beside the base matmul, or not")
+    ap.add_argument("--stacked", choices=("on", "off"), default="on",
+                    help="population: stacked projections' decode deltas (q, k, v; gate, up) in one launch, or one each")
     ap.add_argument("--decode-tiling", default="{}",
                     help='population: JSON over the LoRA kernels\' DECODE tiling, e.g. \'{"lane_k": 2048}\'')
     ap.add_argument("--seed", type=int, default=0)

@@ -13,7 +13,8 @@ on timing) and expand onto the outputs, added to y in place or (for plain base w
 go token by token, memory-bound: the shrink by rank lanes (each program one contiguous run of
 A), or for a handful of tokens split over the inputs so they still fill the GPU; both passes
 step through an adapter's own rank a few lanes at a time, so a rank-8 adapter costs what its
-bytes cost and not the pool's largest rank. Rows of many tokens (prefill) go in tiles of tokens
+bytes cost and not the pool's largest rank; projections stacked in one weight (q, k, v; gate,
+up) whose packs share the pool's buffer and tables go through one launch of each pass. Rows of many tokens (prefill) go in tiles of tokens
 through tl.dot: the shrink reads each input once, the expand each output once.
 Does not know: where adapters come from, which rows have which adapter.
 """
@@ -107,6 +108,7 @@ DECODE = {"lanes_from": 16, "lane_k": 0, "split_k": 256, "bk": 512, "split_bk": 
 PREFILL = {"bm": 128, "bk": 64, "bn": 128, "warps": 8}
 WRITE_FIRST = True  # lora_linears: the deltas written first and the base matmul added onto them
 SIDE_STREAM = True  # lora_linears, decode rows on CUDA: deltas beside the base matmul on a stream of their own
+STACKED = True  # lora_linears, decode rows: stacked projections' deltas in one launch of each pass (`_stack`)
 
 
 if HAVE_TRITON:
@@ -119,14 +121,22 @@ if HAVE_TRITON:
         return r, tl.load(SCALE + safe), tl.load(OFF + safe)
 
     @triton.jit
-    def _tok_shrink(X, IDS, W, AOFF, RANK, SCALE, V, per_row, K, sx, SPLIT, RP, LG, KS,
+    def _shift(pj, S1, S2):
+        """Projection pj's table shift (elements) from projection 0's: 0, S1 or S2."""
+        return tl.where(pj == 1, S1, tl.where(pj == 2, S2, 0))
+
+    @triton.jit
+    def _tok_shrink(X, IDS, W, AOFF, RANK, SCALE, V, per_row, K, sx, SPLIT, RP, LG, KS, NT, SA1, SA2, SR1, SR2,
                     BK: tl.constexpr, RC: tl.constexpr):
-        """Decode pass one: program (token, group of LG rank lanes, split of KS inputs) writes
-        x[split] @ A[lanes, split].T to V, RC lanes at a time up to the adapter's own rank;
-        groups past the rank do nothing. By lanes (LG = RC): each program reads one contiguous
-        run of A; by splits (one group of every lane): a handful of tokens still fill the GPU."""
-        tok, g, sp = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
-        r, _, ao = _adapter(IDS, RANK, SCALE, AOFF, tok // per_row)
+        """Decode pass one: program (token, group of LG rank lanes, split of KS inputs of
+        projection pj) writes x[split] @ A[lanes, split].T to V, RC lanes at a time up to the
+        adapter's own rank; groups past the rank do nothing. By lanes (LG = RC): each program
+        reads one contiguous run of A; by splits (one group of every lane): a handful of tokens
+        still fill the GPU. Stacked projections (q, k, v) share x and one launch: projection
+        pj's offsets and ranks lie SA/SR elements from the first's (`_Stack`)."""
+        tok, g, z = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+        sp, pj = z % SPLIT, z // SPLIT
+        r, _, ao = _adapter(IDS, RANK + _shift(pj, SR1, SR2), SCALE, AOFF + _shift(pj, SA1, SA2), tok // per_row)
         lo = g * LG
         if lo < r:
             ks = tl.arange(0, RC)
@@ -141,7 +151,7 @@ if HAVE_TRITON:
                     at = tl.load(W + ao + (r0 + ks)[:, None] * K + c[None, :], mask=live[:, None] & cm[None, :],
                                  other=0.0)
                     acc += at.to(tl.float32) * x[None, :]
-                tl.store(V + (tok * SPLIT + sp) * RP + r0 + ks, tl.sum(acc, axis=1), mask=live)
+                tl.store(V + ((pj * NT + tok) * SPLIT + sp) * RP + r0 + ks, tl.sum(acc, axis=1), mask=live)
 
     @triton.jit
     def _store(Y, B, ptr, d, outs, om, mask, r, sc, ADD: tl.constexpr, HAS_B: tl.constexpr):
@@ -159,23 +169,26 @@ if HAVE_TRITON:
         tl.store(ptr, d.to(Y.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _tok_expand(Y, B, IDS, W, BOFF, RANK, SCALE, V, per_row, N, sy, SPLIT, RP,
+    def _tok_expand(Y, B, IDS, W, BOFF, RANK, SCALE, V, per_row, N, sy, SPLIT, RP, NT, SB1, SB2, SR1, SR2, SS1, SS2,
                     SP: tl.constexpr, BN: tl.constexpr, RC: tl.constexpr, ADD: tl.constexpr, HAS_B: tl.constexpr):
-        """Decode pass two: program (token, block of outputs) sums the shrink's partials (in a
-        fixed order: the result does not depend on timing) and expands them, RC lanes at a time."""
-        tok, nb = tl.program_id(0).to(tl.int64), tl.program_id(1)
-        r, sc, bo = _adapter(IDS, RANK, SCALE, BOFF, tok // per_row)
+        """Decode pass two: program (token, block of outputs, projection pj: its N columns from
+        pj * N) sums the shrink's partials (in a fixed order: the result does not depend on
+        timing) and expands them, RC lanes at a time."""
+        tok, nb, pj = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+        r, sc, bo = _adapter(IDS, RANK + _shift(pj, SR1, SR2), SCALE + _shift(pj, SS1, SS2),
+                             BOFF + _shift(pj, SB1, SB2), tok // per_row)
         ks, ss = tl.arange(0, RC), tl.arange(0, SP)
         outs = nb * BN + tl.arange(0, BN)
         om = outs < N
         acc = tl.zeros((BN,), tl.float32)
         for r0 in range(0, r, RC):
             live = r0 + ks < r
-            v = tl.sum(tl.load(V + (tok * SPLIT + ss[:, None]) * RP + r0 + ks[None, :],
+            v = tl.sum(tl.load(V + ((pj * NT + tok) * SPLIT + ss[:, None]) * RP + r0 + ks[None, :],
                                mask=(ss < SPLIT)[:, None] & live[None, :], other=0.0), axis=0)
             bt = tl.load(W + bo + (r0 + ks)[:, None] * N + outs[None, :], mask=live[:, None] & om[None, :], other=0.0)
             acc += tl.sum(v[:, None] * bt.to(tl.float32), axis=0)
-        _store(Y, B, Y + tok * sy + outs, acc, outs, om, om, r, sc, ADD, HAS_B)
+        col = pj * N
+        _store(Y, B + col, Y + tok * sy + col + outs, acc, outs, om, om, r, sc, ADD, HAS_B)
 
     @triton.jit
     def _tile(IDS, RANK, SCALE, OFF, per_row, R: tl.constexpr, BM: tl.constexpr):
@@ -221,10 +234,52 @@ if HAVE_TRITON:
         _store(Y, B, Y + toks[:, None] * sy + outs[None, :], d, outs[None, :], om[None, :], ym, r, sc, ADD, HAS_B)
 
 
-def lora_shrink(xf: torch.Tensor, ids: torch.Tensor, p: LoraPack, per_row: int, tiles: bool) -> torch.Tensor:
+class _Stack(NamedTuple):
+    """Projections stacked in one weight (q, k and v; gate and up), of equal widths, whose packs
+    share one buffer and whose tables lie in shared storage (the adapter pool's): how far each
+    later projection's offsets, ranks and scales lie from the first's, in elements, so that one
+    launch of each decode pass serves them all."""
+    count: int
+    a: tuple[int, int]  # projections 1 and 2 (0 where absent)
+    b: tuple[int, int]
+    rank: tuple[int, int]
+    scale: tuple[int, int]
+
+
+NO_STACK = _Stack(1, (0, 0), (0, 0), (0, 0), (0, 0))
+
+
+def _stack(packs: Sequence[LoraPack], outs: Sequence[int]) -> _Stack | None:
+    """The packs as one stack, where STACKED and they can go together: two or three of equal
+    widths and fan-in over one buffer, each table a view of the first's storage."""
+    if not STACKED or not 2 <= len(packs) <= 3 or len(set(outs)) != 1:
+        return None
+    p0 = packs[0]
+    if any(p.buf.data_ptr() != p0.buf.data_ptr() or p.fan_in != p0.fan_in for p in packs):
+        return None
+
+    def shifts(field: str) -> tuple[int, int] | None:
+        t0 = getattr(p0, field)
+        out = []
+        for p in packs[1:]:
+            t = getattr(p, field)
+            d = t.data_ptr() - t0.data_ptr()
+            if t.untyped_storage().data_ptr() != t0.untyped_storage().data_ptr() or d % t.element_size():
+                return None
+            out.append(d // t.element_size())
+        return (out + [0])[0], (out + [0, 0])[1]
+
+    fields = [shifts(f) for f in ("a_off", "b_off", "rank", "scale")]
+    if any(f is None for f in fields):
+        return None
+    return _Stack(len(packs), *fields)  # type: ignore[arg-type]
+
+
+def lora_shrink(xf: torch.Tensor, ids: torch.Tensor, p: LoraPack, per_row: int, tiles: bool,
+                stack: _Stack = NO_STACK, max_rank: int | None = None) -> torch.Tensor:
     """Pass one over x (tokens, in), rows of per_row tokens: each token's x @ A.T, as float32
-    partial sums (tokens, splits, lanes) for token-by-token rows, (tokens, lanes) in the compute
-    dtype for tiles."""
+    partial sums (tokens, splits, lanes) for token-by-token rows ((projections, tokens, splits,
+    lanes) for a stack led by p), (tokens, lanes) in the compute dtype for tiles."""
     tokens, K = xf.shape
     if tiles:
         R = max(16, triton.next_power_of_2(max(p.max_rank, 1)))  # tl.dot takes 16 at least
@@ -234,18 +289,20 @@ def lora_shrink(xf: torch.Tensor, ids: torch.Tensor, p: LoraPack, per_row: int, 
             xf, ids, p.buf, p.a_off, p.rank, p.scale, v, per_row, K, xf.stride(0),
             R=R, BM=bm, BK=bk, num_warps=PREFILL["warps"])
         return v
-    t = _decode_tiling(tokens, K, p.max_rank)
-    v = torch.empty(tokens, t.splits, t.rp, dtype=torch.float32, device=xf.device)
-    _tok_shrink[(tokens, t.rp // t.lg, t.splits)](xf, ids, p.buf, p.a_off, p.rank, p.scale, v, per_row, K,
-                                                   xf.stride(0), t.splits, t.rp, t.lg, t.ks, BK=t.bk, RC=t.rc,
-                                                   num_warps=DECODE["warps"])
+    t = _decode_tiling(tokens, K, max_rank or p.max_rank)
+    n = stack.count
+    v = torch.empty(*((n,) if n > 1 else ()), tokens, t.splits, t.rp, dtype=torch.float32, device=xf.device)
+    _tok_shrink[(tokens, t.rp // t.lg, t.splits * n)](xf, ids, p.buf, p.a_off, p.rank, p.scale, v, per_row, K,
+                                                       xf.stride(0), t.splits, t.rp, t.lg, t.ks, tokens, *stack.a,
+                                                       *stack.rank, BK=t.bk, RC=t.rc, num_warps=DECODE["warps"])
     return v
 
 
 def lora_expand(v: torch.Tensor, yf: torch.Tensor, ids: torch.Tensor, p: LoraPack, per_row: int,
-                add: bool = True, bias: torch.Tensor | None = None) -> torch.Tensor:
+                add: bool = True, bias: torch.Tensor | None = None, stack: _Stack = NO_STACK) -> torch.Tensor:
     """Pass two onto y (tokens, out): y + scale * v @ B.T where `add`, else scale * v @ B.T
-    (+ bias) written over y, every row (base rows: zeros or the bias)."""
+    (+ bias) written over y, every row (base rows: zeros or the bias); for a stack led by p,
+    each projection onto its own equal share of y's columns."""
     tokens, N = yf.shape
     b = bias if bias is not None else yf
     if v.dim() == 2:
@@ -257,12 +314,14 @@ def lora_expand(v: torch.Tensor, yf: torch.Tensor, ids: torch.Tensor, p: LoraPac
             ADD=add, HAS_B=bias is not None, num_warps=c["warps"])
         return yf
     c = DECODE
-    split, rp = v.shape[1], v.shape[2]
+    split, rp = v.shape[-2], v.shape[-1]
     rc = _lane_step(tokens)[1]
-    _tok_expand[(tokens, triton.cdiv(N, c["bn"]))](yf, b, ids, p.buf, p.b_off, p.rank, p.scale, v, per_row, N,
-                                                   yf.stride(0), split, rp, SP=triton.next_power_of_2(split),
-                                                   BN=c["bn"], RC=rc, ADD=add, HAS_B=bias is not None,
-                                                   num_warps=c["warps"])
+    n = stack.count
+    N //= n
+    _tok_expand[(tokens, triton.cdiv(N, c["bn"]), n)](yf, b, ids, p.buf, p.b_off, p.rank, p.scale, v, per_row, N,
+                                                      yf.stride(0), split, rp, tokens, *stack.b, *stack.rank,
+                                                      *stack.scale, SP=triton.next_power_of_2(split), BN=c["bn"],
+                                                      RC=rc, ADD=add, HAS_B=bias is not None, num_warps=c["warps"])
     return yf
 
 
@@ -337,7 +396,14 @@ def lora_linears(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, outs:
         return [lora_delta_ref(x, y, ids, p, host_ids) for y, p in zip(F.linear(x, w, b).split(list(outs), -1), packs)]
     xf, ids32, per_row, tiles = _flat(x, ids, None)
 
+    stack = None if tiles else _stack(packs, outs)
+
     def deltas(y: torch.Tensor, add: bool, bias: torch.Tensor | None) -> None:
+        if stack is not None:  # decode rows: one launch of each pass for every projection
+            top = max(p.max_rank for p in packs)
+            v = lora_shrink(xf, ids32, packs[0], per_row, False, stack, top)
+            lora_expand(v, y, ids32, packs[0], per_row, add, bias, stack)
+            return
         c0 = 0
         for n, p in zip(outs, packs):
             lora_expand(lora_shrink(xf, ids32, p, per_row, tiles), y[:, c0:c0 + n], ids32, p, per_row, add,

@@ -115,3 +115,71 @@ def test_decode_tilings_equal_reference(tiling, monkeypatch):
     monkeypatch.setattr(L, "DECODE", {**L.DECODE, "lane_k": 100, "split_k": 100})
     with pytest.raises(ValueError, match="not a multiple"):
         L.lora_delta_triton(x, y.clone(), idx, p, tiles=False)
+
+
+def pooled(ranks: list[list[int]], fin: int, fout: int, rows: list[int], seed: int):
+    """Packs laid out as the adapter pool lays them (offload.adapters): every projection's
+    adapters in one buffer, and each field a row of one table per field, projection k's tables
+    at row rows[k] (the pool orders its rows by name, so q, k and v need not be neighbours)."""
+    g = torch.Generator().manual_seed(seed)
+    m, n = max(rows) + 1, max(len(r) for r in ranks)
+    offs = torch.zeros(2 * m, n, dtype=torch.int64)
+    rk = torch.zeros(m, n, dtype=torch.int32)
+    sc = torch.zeros(m, n, dtype=torch.float32)
+    chunks, at, meta = [], 0, []
+    for k, rs in enumerate(ranks):
+        a_off, b_off, scales = [], [], []
+        for i, r in enumerate(rs):
+            A, Bt = torch.randn(r, fin, generator=g), torch.randn(r, fout, generator=g)
+            a_off.append(at)
+            b_off.append(at + r * fin)
+            chunks += [A.flatten(), Bt.flatten()]
+            at += r * (fin + fout)
+            scales.append(0.25 + 0.5 * i + k)
+        offs[2 * rows[k], :len(rs)], offs[2 * rows[k] + 1, :len(rs)] = torch.tensor(a_off), torch.tensor(b_off)
+        rk[rows[k], :len(rs)], sc[rows[k], :len(rs)] = torch.tensor(rs, dtype=torch.int32), torch.tensor(scales)
+        meta.append((tuple(rs), tuple(a_off), tuple(b_off), tuple(scales)))
+    buf = torch.cat(chunks).to(DEV)
+    offs, rk, sc = offs.to(DEV), rk.to(DEV), sc.to(DEV)
+    top = max(max(r) for r in ranks)
+    return [L.LoraPack(buf, offs[2 * rows[k]], offs[2 * rows[k] + 1], rk[rows[k]], sc[rows[k]], fin, fout, top, *meta[k])
+            for k in range(len(ranks))]
+
+
+@pytest.mark.parametrize("rows,n", [([2, 0, 3], 6), ([0, 1], 20), ([4, 1, 2], 20)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("side", [False, True], ids=["in-order", "side-stream"])
+def test_stacked_decode_deltas_in_one_launch_equal_the_reference(rows, n, bias, side, monkeypatch):
+    """Decode rows of stacked projections whose packs come from the pool's shared tables go
+    through one launch of each pass (tables found `rows` apart, before or after the first),
+    with the reference's deltas per projection, written first or added after; packs that do
+    not share storage, or of unequal widths, go one projection at a time."""
+    fin, fout = 70, 48
+    ranks = [[8, 3, 0, 16][:len(rows) + 1], [5, 16, 2, 1][:len(rows) + 1], [1, 7, 4, 9][:len(rows) + 1]][:len(rows)]
+    packs = pooled(ranks, fin, fout, rows, n)
+    outs = [fout] * len(rows)
+    assert L._stack(packs, outs) is not None
+    assert L._stack(packs, outs[:-1] + [fout - 1]) is None  # unequal widths
+    alone = [pooled([r], fin, fout, [0], n + k)[0] for k, r in enumerate(ranks)]  # tables of their own
+    assert L._stack(alone, outs) is None
+    ids = torch.tensor(([0, -1, 1, len(rows), 2] * 4)[:n], dtype=torch.int32, device=DEV) % (len(rows) + 1)
+    ids[1] = -1
+    x = torch.randn(n, 1, fin, device=DEV)
+    w = torch.randn(sum(outs), fin, device=DEV)
+    b = torch.randn(sum(outs), device=DEV) if bias else None
+    want = [L.lora_delta_ref(x, y, ids, p) for y, p in zip(F.linear(x, w, b).split(outs, -1), packs)]
+    monkeypatch.setattr(L, "SIDE_STREAM", side)
+    launches = []
+    real = L.lora_shrink
+    monkeypatch.setattr(L, "lora_shrink", lambda *a, **k: launches.append(1) or real(*a, **k))
+    for first in (True, False):
+        monkeypatch.setattr(L, "WRITE_FIRST", first)
+        got = L.lora_linears(x, w, b, outs, ids, packs, kernels=True)
+        for g, r in zip(got, want):
+            assert (g - r).abs().max() <= 1e-4 * r.abs().max()
+    assert len(launches) == 2  # one shrink for every projection, each time
+    monkeypatch.setattr(L, "STACKED", False)
+    got = L.lora_linears(x, w, b, outs, ids, packs, kernels=True)
+    assert len(launches) == 2 + len(rows)
+    for g, r in zip(got, want):
+        assert (g - r).abs().max() <= 1e-4 * r.abs().max()
