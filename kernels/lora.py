@@ -14,8 +14,9 @@ go token by token, memory-bound: the shrink by rank lanes (each program one cont
 A), or for a handful of tokens split over the inputs so they still fill the GPU; both passes
 step through an adapter's own rank a few lanes at a time, so a rank-8 adapter costs what its
 bytes cost and not the pool's largest rank; projections stacked in one weight (q, k, v; gate,
-up) whose packs share the pool's buffer and tables go through one launch of each pass. Rows of many tokens (prefill) go in tiles of tokens
-through tl.dot: the shrink reads each input once, the expand each output once.
+up) whose packs share the pool's buffer and tables go through one launch of each pass. Rows of
+many tokens (prefill) go in tiles of tokens through tl.dot: the shrink reads each input once,
+the expand each output once.
 Does not know: where adapters come from, which rows have which adapter.
 """
 
