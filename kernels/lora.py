@@ -252,23 +252,24 @@ NO_STACK = _Stack(1, (0, 0), (0, 0), (0, 0), (0, 0))
 
 def _stack(packs: Sequence[LoraPack], outs: Sequence[int]) -> _Stack | None:
     """The packs as one stack, where STACKED and they can go together: two or three of equal
-    widths and fan-in over one buffer, each table a view of the first's storage."""
+    widths, fan-in and largest rank over one buffer, each table a view of the first's storage."""
     if not STACKED or not 2 <= len(packs) <= 3 or len(set(outs)) != 1:
         return None
     p0 = packs[0]
-    if any(p.buf.data_ptr() != p0.buf.data_ptr() or p.fan_in != p0.fan_in for p in packs):
+    if any(p.buf.data_ptr() != p0.buf.data_ptr() or (p.fan_in, p.max_rank) != (p0.fan_in, p0.max_rank)
+           for p in packs):
         return None
 
     def shifts(field: str) -> tuple[int, int] | None:
         t0 = getattr(p0, field)
-        out = []
-        for p in packs[1:]:
+        out = [0, 0]
+        for i, p in enumerate(packs[1:]):
             t = getattr(p, field)
             d = t.data_ptr() - t0.data_ptr()
             if t.untyped_storage().data_ptr() != t0.untyped_storage().data_ptr() or d % t.element_size():
                 return None
-            out.append(d // t.element_size())
-        return (out + [0])[0], (out + [0, 0])[1]
+            out[i] = d // t.element_size()
+        return out[0], out[1]
 
     fields = [shifts(f) for f in ("a_off", "b_off", "rank", "scale")]
     if any(f is None for f in fields):
@@ -277,7 +278,7 @@ def _stack(packs: Sequence[LoraPack], outs: Sequence[int]) -> _Stack | None:
 
 
 def lora_shrink(xf: torch.Tensor, ids: torch.Tensor, p: LoraPack, per_row: int, tiles: bool,
-                stack: _Stack = NO_STACK, max_rank: int | None = None) -> torch.Tensor:
+                stack: _Stack = NO_STACK) -> torch.Tensor:
     """Pass one over x (tokens, in), rows of per_row tokens: each token's x @ A.T, as float32
     partial sums (tokens, splits, lanes) for token-by-token rows ((projections, tokens, splits,
     lanes) for a stack led by p), (tokens, lanes) in the compute dtype for tiles."""
@@ -290,7 +291,7 @@ def lora_shrink(xf: torch.Tensor, ids: torch.Tensor, p: LoraPack, per_row: int, 
             xf, ids, p.buf, p.a_off, p.rank, p.scale, v, per_row, K, xf.stride(0),
             R=R, BM=bm, BK=bk, num_warps=PREFILL["warps"])
         return v
-    t = _decode_tiling(tokens, K, max_rank or p.max_rank)
+    t = _decode_tiling(tokens, K, p.max_rank)
     n = stack.count
     v = torch.empty(*((n,) if n > 1 else ()), tokens, t.splits, t.rp, dtype=torch.float32, device=xf.device)
     _tok_shrink[(tokens, t.rp // t.lg, t.splits * n)](xf, ids, p.buf, p.a_off, p.rank, p.scale, v, per_row, K,
@@ -401,8 +402,7 @@ def lora_linears(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, outs:
 
     def deltas(y: torch.Tensor, add: bool, bias: torch.Tensor | None) -> None:
         if stack is not None:  # decode rows: one launch of each pass for every projection
-            top = max(p.max_rank for p in packs)
-            v = lora_shrink(xf, ids32, packs[0], per_row, False, stack, top)
+            v = lora_shrink(xf, ids32, packs[0], per_row, False, stack)
             lora_expand(v, y, ids32, packs[0], per_row, add, bias, stack)
             return
         c0 = 0

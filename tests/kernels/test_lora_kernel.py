@@ -5,6 +5,11 @@ shapes (tiles through tl.dot), odd sizes and dtypes."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -163,6 +168,7 @@ def test_stacked_decode_deltas_in_one_launch_equal_the_reference(rows, n, bias, 
     assert L._stack(packs, outs[:-1] + [fout - 1]) is None  # unequal widths
     alone = [pooled([r], fin, fout, [0], n + k)[0] for k, r in enumerate(ranks)]  # tables of their own
     assert L._stack(alone, outs) is None
+    assert L._stack([packs[0], replace(packs[1], max_rank=packs[1].max_rank + 1), *packs[2:]], outs) is None
     ids = torch.tensor(([0, -1, 1, len(rows), 2] * 4)[:n], dtype=torch.int32, device=DEV) % (len(rows) + 1)
     ids[1] = -1
     x = torch.randn(n, 1, fin, device=DEV)
@@ -211,10 +217,6 @@ for fn, sig, ce in kernels:
 def test_decode_kernels_compile_for_the_gpu():
     """The decode passes, stacked projections' shifts included, compile for sm_90 (no GPU
     needed): the interpreter accepts code the GPU compiler may refuse."""
-    import os
-    import subprocess
-    import sys
-
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", SM90_COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
