@@ -118,6 +118,7 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
         out = [record("flexoff", "no-lora", rows, args.gen_len, *timed(m, prompts, args.gen_len, None, policy=without),
                       policy=m.last_policy.describe())]
     gc.collect()
+    torch.cuda.empty_cache()  # the first engine's memory back to the device, for the second's budget
     with llm() as m:
         t0 = time.perf_counter()
         for d in used:
