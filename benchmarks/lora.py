@@ -7,7 +7,11 @@ Knows: three parts, each comparison measured in one run:
   ranks drawn from 8/16/32/64, on every linear layer), against the same prompts without LoRA;
   "warm" runs find the adapters already on the device (a job whose blocks reuse them), "cold"
   runs copy every adapter of the block first (a block of adapters not seen before). Only the
-  adapters the prompts draw are made (random values, made on the device, kept in host memory).
+  adapters the prompts draw are made (random values, made on the device, kept in host memory,
+  or with `--adapter-dir` written as PEFT folders and read from their files as blocks use them).
+  `--job-prompts N` draws the adapters for a job of N prompts and runs a stretch of it (the
+  first `--prompts` in adapter order, as that job's blocks group them): a long job's blocks,
+  each using few adapters, without running all of it.
 - `peft`: Hugging Face PEFT's `generate(..., adapter_names=...)` and flexoff on the same dummy
   weights, batch 32, with no adapter, one adapter for every row, and a distinct rank-8 adapter
   per row on all linear layers: each system's ratios to its own no-LoRA run and the speedup.
@@ -73,7 +77,9 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
     hold both plans' host buffers for a while)."""
     from flexoff import LLM, Policy
     from flexoff.api import SamplingParams
+    from flexoff.adapters import write_folder
     from flexoff.checkpoint import load_model
+    from flexoff.finetune.run import linear_targets
     from flexoff.kernels import lora as L
     from throughput import parse_policy
 
@@ -91,7 +97,10 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
     spec = load_model(args.model).spec
     prompts = [{"id": str(r), "prompt_ids": torch.randint(3, spec.vocab_size, (args.prompt_len,),
                                                           generator=g).tolist()} for r in range(rows)]
-    draw = torch.randint(0, args.adapters, (rows,), generator=g).tolist()
+    job = max(rows, args.job_prompts or rows)
+    draw = torch.randint(0, args.adapters, (job,), generator=g).tolist()
+    if job > rows:  # a stretch of a longer job: its first rows in adapter order, as its blocks group them
+        draw = sorted(draw)[:rows]
     rank_of = torch.randint(0, len(RANKS), (args.adapters,), generator=g).tolist()
     names = [f"a{d}" for d in draw]
     used = sorted(set(draw))
@@ -114,7 +123,7 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
     with llm() as m:
         without = plan(m, None)
         # engine made at the timed runs' size, graphs captured (a shorter warm-up left both to the timed run)
-        m.generate(prompts, max_new_tokens=args.gen_len, policy=without)
+        m.generate(prompts[:args.warmup_prompts], max_new_tokens=args.gen_len, policy=without)
         out = [record("flexoff", "no-lora", rows, args.gen_len, *timed(m, prompts, args.gen_len, None, policy=without),
                       policy=m.last_policy.describe())]
     gc.collect()
@@ -122,16 +131,26 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
     with llm() as m:
         t0 = time.perf_counter()
         for d in used:
-            m.add_adapter(random_adapter(f"a{d}", spec, RANKS[rank_of[d]], d, torch.device("cuda"), torch.float16))
+            rank = RANKS[rank_of[d]]
+            a = random_adapter(f"a{d}", spec, rank, d, torch.device("cuda"), torch.float16)
+            if args.adapter_dir is None:
+                m.add_adapter(a)
+                continue
+            folder = args.adapter_dir / a.name  # a PEFT folder, read from its file when a block uses it
+            write_folder(folder, spec, a.modules, {"peft_type": "LORA", "r": rank, "lora_alpha": 2.0 * rank,
+                                                   "target_modules": linear_targets(spec)})
+            m.load_lora(a.name, str(folder))
         made = time.perf_counter() - t0
         with_lora = plan(m, names)
-        m.generate(prompts, max_new_tokens=args.gen_len, adapters=names, policy=with_lora)
+        m.generate(prompts[:args.warmup_prompts], max_new_tokens=args.gen_len,
+                   adapters=names[:args.warmup_prompts], policy=with_lora)
         runs = [("warm", timed(m, prompts, args.gen_len, names, policy=with_lora))]
         if not args.skip_cold:  # every adapter copied again
             runs.append(("cold", timed(m, prompts, args.gen_len, names, m.adapter_pool().drop_cache, policy=with_lora)))
         extra = {"adapters": args.adapters, "used_adapters": len(used), "mean_rank": mean_rank, "deltas": args.deltas,
                  "decode_tiling": args.decode_tiling, "side_stream": args.side_stream, "stacked": args.stacked,
-                 "policy": m.last_policy.describe(), "auto": auto, "setup_adapters_s": made,
+                 "policy": m.last_policy.describe(), "auto": auto, "setup_adapters_s": made, "job_prompts": job,
+                 "adapters_from": "files" if args.adapter_dir else "memory",
                  "adapter_host_bytes": m.adapter_host_bytes()}
     for v, (one, full) in runs:
         r = record("flexoff", f"lora-{v}", rows, args.gen_len, one, full, **extra)
@@ -276,6 +295,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="population: no cold run (streamed weights page every adapter in per layer anyway)")
     ap.add_argument("--prompts", type=int, default=None, help="prompts in the job (default: one block)")
     ap.add_argument("--adapters", type=int, default=1000)
+    ap.add_argument("--job-prompts", type=int, default=None,
+                    help="population: adapters drawn for a job of this many prompts, of which the run takes the "
+                         "first --prompts (or one block) in adapter order, as the job's blocks group them")
+    ap.add_argument("--warmup-prompts", type=int, default=None,
+                    help="population: the warm-up run's prompts, the first of the job's (default: all)")
+    ap.add_argument("--adapter-dir", type=Path, default=None,
+                    help="population: write the adapters here as PEFT folders and load them from their files "
+                         "(default: made in memory and held there)")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--gen-len", type=int, default=32)
     ap.add_argument("--gpu-mem", default=None)

@@ -223,10 +223,16 @@ class LLM:
             return Need()
         return pool.need([r.adapter for r in b] + list(riders) for b in plan_blocks(reqs, block_size))
 
-    def adapter_host_bytes(self) -> int:
-        """Host bytes of the loaded adapters in the compute dtype (the engine's plan counts them)."""
+    def adapter_host_bytes(self, need: Need | None = None) -> int:
+        """Host bytes of the loaded adapters in the compute dtype that the engine's plan counts:
+        the held ones, and of those read from files what the cache keeps for blocks of `need`."""
         pool = self.adapter_pool()
-        return pool.host_bytes() if pool is not None else 0
+        return pool.host_bytes(need) if pool is not None else 0
+
+    def lora_held(self) -> float:
+        """The part of lora_ranks() held in memory (the rest is read from files into a cache)."""
+        used = {r.adapter for r in self._job} - {None} if self._job else set(self.adapters)
+        return sum(self.adapter_rank(n) for n, a in self.adapters.items() if n in used and a.held)
 
     def lora_ranks(self) -> tuple[float, ...]:
         """Each adapter the job uses (every loaded one, outside a job) as the cost model sees it:
@@ -401,9 +407,14 @@ class LLM:
         # a checkpoint is read into CPU memory; dummy weights are made where they go
         read_dev = self.device if m.name.startswith("dummy:") else torch.device("cpu")
         self.engine = self.residency.engine(self.stage_policy(policy), fmt, codec, max_prompt, max_gen, read,
-                                            read_dev, self.progress, need, self.adapter_host_bytes(), training,
+                                            read_dev, self.progress, need, self._keep_adapters(need), training,
                                             windows)
         return self.engine
+
+    def _keep_adapters(self, need: Need) -> int:
+        """The host cache sized for an engine's blocks; the host bytes its plan counts."""
+        pool = self.adapter_pool()
+        return pool.keep_for(need) if pool is not None else 0
 
     def stage_policy(self, policy: Policy) -> Policy:
         """The policy a pipeline stage's engine runs: room for as many of the policy's blocks as

@@ -42,7 +42,7 @@ def engine_plan(llm: Any, policy: Policy, prompt_len: int, gen_len: int, trainin
     need = need if need is not None else llm.adapter_need(policy.block_size)
     return plan_memory(spec, layouts, codec.rec_bytes, policy, prompt_len, gen_len, llm.dtype,
                        llm.device.type == "cuda", training,
-                       adapters=adapter_bytes(need, llm.adapter_host_bytes(), layouts, policy, llm.dtype),
+                       adapters=adapter_bytes(need, llm.adapter_host_bytes(need), layouts, policy, llm.dtype),
                        trained=need.elements if training else 0, windows=windows)
 
 
@@ -97,7 +97,7 @@ def auto_policy(llm: Any, prompt_len: int, gen_len: int, num_prompts: int | None
     plans the heaviest stage, whose engine holds one of the policy's blocks per stage
     (LLM.stage_policy)."""
     hw, budget = _budget(llm)
-    work = Workload(prompt_len, gen_len, llm.dtype.itemsize, num_prompts, llm.lora_ranks())
+    work = Workload(prompt_len, gen_len, llm.dtype.itemsize, num_prompts, llm.lora_ranks(), llm.lora_held())
     stages = llm.residency.pipe.stages if llm.residency.pipe is not None else 1
     if stages > 1 and "shapes" not in search_args:  # a stage holds one block per stage: plan its shape
         search_args["shapes"] = default_shapes(num_prompts, stages)
@@ -155,7 +155,7 @@ def auto_coserve_plan(llm: Any, prompt_len: int, gen_len: int, num_prompts: int,
     accepts for a block of inference prompts with training windows of up to `seq_len` tokens
     (`need`: the room of the block's adapters, the trained ones among them)."""
     hw, budget = _budget(llm)
-    work = Workload(prompt_len, gen_len, llm.dtype.itemsize, num_prompts, llm.lora_ranks())
+    work = Workload(prompt_len, gen_len, llm.dtype.itemsize, num_prompts, llm.lora_ranks(), llm.lora_held())
     searched = lambda b: search_coserve(  # noqa: E731
         llm.plan_spec, hw, work, b, seq_len, window_rows=window_rows, lora_rank=lora_rank, limit=limit,
         max_windows=max_windows, compress_weight=llm.compression[0], compress_cache=llm.compression[1])

@@ -461,7 +461,8 @@ def policy_search(model: str, prompt_len: int, gen_len: int, num_prompts: int | 
     hw = profiler.load(hardware, log=lambda m: click.echo(m, err=True))
     budget = Budget.of(hw, gpu_mem, cpu_mem, disk_mem)
     ranks = lora_rank_list(lora_ranks, lora_adapters)
-    work = Workload(prompt_len, gen_len, {"float32": 4}.get(dtype, 2), num_prompts, ranks)
+    # adapters from folders, as `flexoff run --lora` reads them: host memory caches two blocks' worth
+    work = Workload(prompt_len, gen_len, {"float32": 4}.get(dtype, 2), num_prompts, ranks, lora_held=0.0)
     cands = search(spec, hw, work, budget, compress_weight=cw, compress_cache=cc, cpu_attention=cpu_attention,
                    overlap=not no_overlap, max_latency=max_latency, objective=objective)
     best = cands[0]
@@ -476,13 +477,16 @@ def policy_search(model: str, prompt_len: int, gen_len: int, num_prompts: int | 
     click.echo("memory      " + ", ".join(f"{t} {v / gib:.2f} GiB" for t, v in p.memory.items()))
     if ranks:
         from flexoff.policy.cost_model import lora_per_block
+        from flexoff.policy.policy import CACHE_BLOCKS
 
         width = sum(spec.lora_width(j) for j in range(len(spec.layers)))
         used, mean = lora_per_block(work, best.policy.block_size)
         held = used * mean * width * work.elem_bytes / gib
         where = "on the GPU" if best.policy.w_gpu_percent >= 100 else "paged in with each layer's weights"
+        cached = min(len(ranks), CACHE_BLOCKS * used) * mean * width * work.elem_bytes / gib
         click.echo(f"lora        {len(ranks)} adapters (mean rank {mean:g}) on every linear layer; a block uses "
-                   f"{used}: {held:.2f} GiB {where}, {2 * mean * width:.3g} FLOPs per token (base "
+                   f"{used}: {held:.2f} GiB {where}, {cached:.2f} GiB cached in CPU memory (the rest read "
+                   f"from their files), {2 * mean * width:.3g} FLOPs per token (base "
                    f"{sum(spec.linear_flops(j) for j in range(len(spec.layers))):.3g})")
     if len(cands) > 1:
         click.echo("runners-up:")

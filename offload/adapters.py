@@ -2,7 +2,10 @@
 their deltas added beside each adapted projection for the rows that use them.
 
 Knows: each adapter as one flat host buffer in the compute dtype (pinned where copies go to a
-GPU), laid out layer by layer so a layer's LoRA is one contiguous segment per adapter; a block
+GPU), laid out layer by layer so a layer's LoRA is one contiguous segment per adapter; for
+adapters read from files, a host cache of such buffers, least recently used dropped first,
+with room for CACHE_BLOCKS blocks' adapters (a job's blocks group rows by adapter, so each is
+read about once); held adapters (made in memory, trained) keep theirs; a block
 (the adapters its rows use, in index order); two ways of holding a block on the device:
 - resident (the weights are on the device too): a cache of whole adapters in one buffer, each
   copied once and kept while the buffer has room (emptied when a block's adapters do not fit
@@ -20,6 +23,7 @@ Does not know: PEFT's files (flexoff.adapters), the schedule, which rows go in w
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
@@ -28,6 +32,7 @@ import torch
 from flexoff.adapters.peft import Adapter
 from flexoff.kernels.lora import LoraPack, lora_delta, lora_linears
 from flexoff.offload.tiers import pinned_empty
+from flexoff.policy.policy import CACHE_BLOCKS
 from flexoff.models.base import linear, materialize, stacked_with_bias
 
 if TYPE_CHECKING:
@@ -86,17 +91,19 @@ class HostAdapter:
         self.slots: dict[Key, Slot] = {}
         self.segments: dict[int, tuple[int, int]] = {}  # layer -> [first, end) elements
         at = 0
-        for key in sorted(a.modules):
-            m = a.modules[key]
-            r, fin, fout = m.A.shape[0], m.A.shape[1], m.B.shape[0]
+        shapes = a.shapes
+        for key in sorted(shapes):
+            sh = shapes[key]
             lo = self.segments.get(key[0], (at, at))[0]
-            self.slots[key] = Slot(at, at + r * fin, r, m.scaling)
-            at += r * (fin + fout)
+            self.slots[key] = Slot(at, at + sh.rank * sh.fan_in, sh.rank, sh.scaling)
+            at += sh.numel
             self.segments[key[0]] = (lo, at)
         self.numel = at
         self.flat = pinned_empty(at, dtype, self) if pin else torch.empty(at, dtype=dtype)
-        self.write(a)
-        self._share(a)
+        modules = a.modules  # an adapter not held: read from its file, once
+        self.write(a, modules)
+        if a.held:
+            self._share(a)
 
     def _share(self, a: Adapter) -> None:
         """Where the adapter's tensors are frozen host tensors of the buffer's dtype, make them
@@ -111,16 +118,17 @@ class HostAdapter:
             m.A = self.flat[s.a_off:s.a_off + m.A.numel()].view_as(m.A)
             m.B = self.flat[s.b_off:s.b_off + r * fout].view(r, fout).t()
 
-    def write(self, a: Adapter) -> None:
-        """Copy the adapter's values in (again, after an optimizer step changed them): converted
+    def write(self, a: Adapter, modules: Mapping[Key, Any] | None = None) -> None:
+        """Copy the adapter's values (`modules`, else its own) in (again, after an optimizer step changed them): converted
         to the buffer's dtype where they are, WRITE_CHUNK bytes at a time, each chunk brought
         over in one copy (a synchronous copy per tensor, 566 for OPT-30B's adapter on the GPU,
         took 105 ms of each training step)."""
         keys, at = list(self.slots), 0
+        modules = a.modules if modules is None else modules
         while at < len(keys):
             lo, hi, pairs = self.slots[keys[at]].a_off, 0, []
             while at < len(keys) and (not pairs or hi - lo <= WRITE_CHUNK // self.flat.element_size()):
-                s, m = self.slots[keys[at]], a.modules[keys[at]]
+                s, m = self.slots[keys[at]], modules[keys[at]]
                 hi = s.b_off + m.B.numel()
                 pairs += [(s.a_off, m.A.shape, m.A), (s.b_off, (m.B.shape[1], m.B.shape[0]), m.B.t())]
                 at += 1
@@ -144,8 +152,8 @@ class Need:
 
 def layer_numel(a: Adapter) -> dict[int, int]:
     out: dict[int, int] = {}
-    for (j, _), m in a.modules.items():
-        out[j] = out.get(j, 0) + m.A.numel() + m.B.numel()
+    for (j, _), sh in a.shapes.items():
+        out[j] = out.get(j, 0) + sh.numel
     return out
 
 
@@ -156,11 +164,11 @@ class AdapterPool:
         self.adapters = {a.name: a for a in adapters}
         self.device, self.dtype = device, dtype
         self.pin = device.type == "cuda"
-        self.max_rank = max((m.A.shape[0] for a in adapters for m in a.modules.values()), default=1)
-        self.keys = sorted({key for a in adapters for key in a.modules})
-        fans = {key: (m.A.shape[1], m.B.shape[0]) for a in adapters for key, m in a.modules.items()}
-        self._fans = fans
-        self._host: dict[str, HostAdapter] = {}
+        self.max_rank = max((sh.rank for a in adapters for sh in a.shapes.values()), default=1)
+        self.keys = sorted({key for a in adapters for key in a.shapes})
+        self._fans = {key: (sh.fan_in, sh.fan_out) for a in adapters for key, sh in a.shapes.items()}
+        self._host: OrderedDict[str, HostAdapter] = OrderedDict()  # least recently used first
+        self.cache_elements: int | None = None  # room for the host copies of adapters read from files
         self._stale: set[str] = set()  # adapters whose host copy is older than their values
         self._layer_numel = {a.name: layer_numel(a) for a in adapters}
         self.block: list[str] = []  # the current block's adapters, by index
@@ -192,17 +200,44 @@ class AdapterPool:
             layer = max([layer, *per.values()])
         return Need(adapters, elements, layer)
 
-    def host_bytes(self) -> int:
-        """Host memory the adapters' flat copies take."""
-        return sum(a.numel for a in self.adapters.values()) * self.dtype.itemsize
+    def host_bytes(self, need: Need | None = None) -> int:
+        """Host memory the adapters' flat copies take: every held adapter's, and of those read
+        from files, all of them or (for a job whose blocks need `need`) CACHE_BLOCKS blocks' worth."""
+        held = sum(a.numel for a in self.adapters.values() if a.held)
+        files = sum(a.numel for a in self.adapters.values() if not a.held)
+        if need is not None:
+            files = min(files, CACHE_BLOCKS * need.elements)
+        return (held + files) * self.dtype.itemsize
+
+    def keep_for(self, need: Need) -> int:
+        """Size the host cache for a job whose blocks need `need`; the host bytes that counts."""
+        self.cache_elements = CACHE_BLOCKS * need.elements
+        self._evict(set(self.block))
+        return self.host_bytes(need)
+
+    def _evict(self, keep: set[str]) -> None:
+        """Drop the least recently used host copies of adapters read from files (none in `keep`)
+        until those left fit the cache's room."""
+        if self.cache_elements is None:
+            return
+        files = [n for n in self._host if not self.adapters[n].held]
+        held = sum(self._host[n].numel for n in files)
+        for n in files:
+            if held <= self.cache_elements:
+                break
+            if n not in keep:
+                held -= self._host.pop(n).numel
 
     def host(self, name: str, fresh: bool = True) -> HostAdapter:
-        """An adapter's host copy (its layout; its values are current unless `fresh` is off)."""
+        """An adapter's host copy (its layout; its values are current unless `fresh` is off),
+        read from its file if the cache does not hold it."""
         h = self._host.get(name)
         if h is None:
             h = self._host[name] = HostAdapter(self.adapters[name], self.dtype, self.pin)
-        elif fresh and name in self._stale:
-            h.write(self.adapters[name])
+        else:
+            self._host.move_to_end(name)
+            if fresh and name in self._stale:
+                h.write(self.adapters[name])
         if fresh:
             self._stale.discard(name)
         return h
@@ -242,6 +277,7 @@ class AdapterPool:
         self._reserve(cap, paged, len(weights.slots))
         self.block, self.index = used, {n: i for i, n in enumerate(used)}
         hosts = [self.host(n, fresh=paged) for n in used]  # resident: only copies made fresh
+        self._evict(set(used))
         base = self._place(hosts) if not paged else {}
         if paged:
             self._plan_pages(hosts)

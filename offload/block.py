@@ -229,12 +229,12 @@ class Clock:
     """Token-step bookkeeping of one block: tokens copied to the host one step behind, the stop
     callback, the prefill/decode split of time and traffic."""
 
-    def __init__(self, engine: "Engine", states: list[BatchState], on_tokens: OnTokens):
+    def __init__(self, engine: "Engine", states: list[BatchState], on_tokens: OnTokens, t0: float | None = None):
         self.engine, self.states, self.on_tokens = engine, states, on_tokens
         self.events: list[Event] = []
         self.delivered, self.steps, self.stop = -1, 0, False
         self.start = self.after_prefill = engine.traffic()
-        self.t0 = time.perf_counter()
+        self.t0 = time.perf_counter() if t0 is None else t0  # the block's start
         self.prefill_s = 0.0
 
     def _deliver(self, d: int) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import resource
 import sys
+import time
 from collections import deque
 from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator, Mapping, Sequence
@@ -233,10 +234,11 @@ class Engine:
         # an engine that trains runs every block without inference mode: what a block makes and
         # keeps (weight views, the lean path's buffers) must stay usable by a later window's autograd
         with self._host_settings(), torch.no_grad() if train or self.training else torch.inference_mode():
+            t0 = time.perf_counter()  # the block's time includes making its state (its adapters read, placed)
             run = BlockRun(self, batches, gen_len, [SampleTask(sampler, k, prompt_logprobs) for k in infer] + losses)
             if train:
                 self.stash.begin(train)
-            clock = Clock(self, [run.states[k] for k in infer], on_tokens)
+            clock = Clock(self, [run.states[k] for k in infer], on_tokens, t0)
             lean = self.lean is not None and gen_len > 1
             if train:  # the windows' reverse sweep right after the prefill; a stop takes effect after it
                 decode = range(1, 1 if lean else gen_len)  # the lean path decodes on its own

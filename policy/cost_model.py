@@ -40,8 +40,8 @@ from typing import Any, Mapping
 
 from flexoff.models.spec import ModelSpec
 from flexoff.policy.hardware import Hardware
-from flexoff.policy.policy import (GPU_RESERVE, act_load_slots, cache_slots, keeps_token_steps, step_load_slots,
-                                   weight_slots)
+from flexoff.policy.policy import (CACHE_BLOCKS, GPU_RESERVE, act_load_slots, cache_slots, keeps_token_steps,
+                                   step_load_slots, weight_slots)
 from flexoff.quant.sizes import kv_config, kv_record_bytes, layer_bytes, tensor_bytes, weight_config
 
 VARS = ("wg", "wc", "wd", "cg", "cc", "cd", "hg", "hc", "hd")
@@ -117,6 +117,8 @@ class Workload:
     elem_bytes: int = 2  # compute dtype
     num_prompts: int | None = None  # sequences in the job (None: unbounded)
     lora_ranks: tuple[float, ...] = ()  # LoRA adapters the job uses: each one's rank on every linear layer
+    lora_held: float | None = None  # of their ranks' sum, the adapters held in memory (None: all); the
+    # rest are read from files into a host cache of CACHE_BLOCKS blocks' adapters
 
 
 def lora_per_block(work: Workload, bls: int) -> tuple[int, float]:
@@ -214,8 +216,11 @@ class CostModel:
         self.lora_layer = {k: used * mean * width[k] * eb for k in KINDS}  # bytes per layer
         self.lora_bytes = used * mean * sum(spec.lora_width(j) for j in range(len(spec.layers))) * eb
         self.lora_F = {k: 2 * mean * width[k] for k in KINDS}
-        # every adapter of the job has its copy in host memory, whatever the placement
-        self.lora_host = sum(work.lora_ranks) * sum(spec.lora_width(j) for j in range(len(spec.layers))) * eb
+        # the held adapters' host copies, and the cache of those read from files, whatever the placement
+        total = sum(work.lora_ranks)
+        held = total if work.lora_held is None else work.lora_held
+        cached = min(total - held, CACHE_BLOCKS * used * mean)
+        self.lora_host = (held + cached) * sum(spec.lora_width(j) for j in range(len(spec.layers))) * eb
 
     # ---- the LP's view ---------------------------------------------------
     def sweep_count(self, stage: str) -> int:

@@ -18,6 +18,9 @@ from flexoff.errors import PolicyError
 
 ACT_LOAD_SLOTS = 2  # act_load_slots' default
 GPU_RESERVE = 1 << 30  # GPU bytes left to the CUDA allocator's slack and fragmentation (plan and cost model)
+# blocks' worth of LoRA adapters read from files that host memory keeps (one running, one more);
+# a job's blocks group rows by adapter, so each such adapter is read about once
+CACHE_BLOCKS = 2
 # how far two percentages as describe() prints them (six significant digits) may sum beyond 100:
 # a policy a search found must parse back (39.3% on the GPU, 2.08333 and 97.9167 of the
 # activations); shares that sum to 100 or more leave nothing to the disk

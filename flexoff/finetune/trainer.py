@@ -22,6 +22,7 @@ from typing import Any, Sequence
 
 import torch
 
+from flexoff.adapters.peft import write_folder
 from flexoff.errors import InputError
 from flexoff.finetune.data import Example
 from flexoff.generation import pad_left
@@ -94,7 +95,7 @@ class LoraTrainer:
         self.adapter = llm.adapters[name]
         self.params: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         dev = llm.device  # the master weights and AdamW's state live beside the compute
-        for key, m in sorted(self.adapter.modules.items()):
+        for key, m in sorted(self.adapter.hold().items()):  # values in memory from now on
             m.A = m.A.detach().to(dev, torch.float32, copy=True).requires_grad_(True)
             m.B = m.B.detach().to(dev, torch.float32, copy=True).requires_grad_(True)
             self.params[key] = (m.A, m.B)
@@ -209,19 +210,5 @@ class LoraTrainer:
 
     def save(self, folder: str, base_config: dict[str, Any] | None = None) -> None:
         """The adapter as a PEFT folder (adapter_config.json, adapter_model.safetensors)."""
-        from safetensors.torch import save_file
-
-        out = Path(folder)
-        out.mkdir(parents=True, exist_ok=True)
-        spec = self.llm.model.spec
-        tensors = {}
-        for (j, tname), (a, b) in self.params.items():
-            module = next(t.hf_names[0] for t in spec.layers[j].tensors if t.name == tname)[:-len(".weight")]
-            tensors[f"base_model.model.{module}.lora_A.weight"] = a.detach().float().cpu().contiguous()
-            tensors[f"base_model.model.{module}.lora_B.weight"] = b.detach().float().cpu().contiguous()
-        cfg = dict(base_config or json.loads((Path(self.adapter.path) / "adapter_config.json").read_text()))
-        cfg["inference_mode"] = True
-        tmp = out / "adapter_model.safetensors.tmp"
-        save_file(tensors, str(tmp))
-        tmp.replace(out / "adapter_model.safetensors")
-        (out / "adapter_config.json").write_text(json.dumps(cfg, indent=2))
+        cfg = base_config or json.loads((Path(self.adapter.path) / "adapter_config.json").read_text())
+        write_folder(folder, self.llm.model.spec, self.adapter.modules, cfg)

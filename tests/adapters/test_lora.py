@@ -69,6 +69,7 @@ def test_host_copy_is_the_only_copy_where_dtypes_match(tiny, tmp_path):
         spec = llm.model.spec
     for dtype, shared in ((torch.float32, True), (torch.float64, False)):
         a = load_adapter("a", made["a"], spec)
+        a.hold()  # as a trainer holds it (an adapter read from its file has no tensors to share)
         before = {k: (m.A.clone(), m.B.clone()) for k, m in a.modules.items()}
         h = AdapterPool([a], torch.device("cpu"), dtype).host("a")
         lo, hi = h.flat.data_ptr(), h.flat.data_ptr() + h.flat.numel() * h.flat.element_size()
@@ -93,7 +94,7 @@ def test_host_copy_is_rewritten_in_chunks_after_the_values_change(tiny, tmp_path
     with LLM(str(path)) as llm:
         spec = llm.model.spec
     a = load_adapter("a", made["a"], spec)
-    for m in a.modules.values():  # as a trainer holds them: float32 leaves that require grad
+    for m in a.hold().values():  # as a trainer holds them: float32 leaves that require grad
         m.A = m.A.detach().to(torch.float32, copy=True).requires_grad_(True)
         m.B = m.B.detach().to(torch.float32, copy=True).requires_grad_(True)
     monkeypatch.setattr(pool_mod, "WRITE_CHUNK", chunk)
@@ -128,6 +129,44 @@ def test_a_closed_engine_gives_back_the_adapters_device_room(tiny, tmp_path):
         assert pool.device_bytes() == 0
         assert [c.token_ids for c in llm.generate(job, max_new_tokens=4).completions] == first
         assert pool.device_bytes() > 0
+
+
+@pytest.mark.parametrize("policy", POLICIES[:2], ids=["resident", "streamed"])
+def test_adapters_are_read_from_their_files_into_a_cache_of_two_blocks(tiny, tmp_path, monkeypatch, policy):
+    """Six adapters from PEFT folders, a job of blocks of one adapter each: every row's tokens
+    equal PEFT's with its adapter; each file is read once per job; host memory keeps at most two
+    blocks' adapters (and the plan counts only those)."""
+    from flexoff.adapters import peft as peft_files
+
+    path = tiny["llama"].path
+    made = make_adapters(path, "llama", tmp_path)
+    for k in "abc":  # three more under other names (the same values, other files)
+        shutil.copytree(made[k], tmp_path / f"{k}2")
+        made[f"{k}2"] = str(tmp_path / f"{k}2")
+    prompt, names = PROMPTS[0], sorted(made)
+    want = {n: peft_greedy(path, made[n], prompt, 6) for n in ("a", "b", "c")}
+    reads: list[str] = []
+    real = peft_files._read_safetensors
+
+    def counted(file, where, named):
+        reads.append(file.parent.name)
+        return real(file, where, named)
+
+    monkeypatch.setattr(peft_files, "_read_safetensors", counted)
+    job = [{"prompt_ids": prompt, "adapter": n} for n in names for _ in range(policy.gpu_batch_size)]
+    with LLM(str(path), lora=made, policy=policy.replace(num_gpu_batches=1)) as llm:
+        assert not any(a.held for a in llm.adapters.values()) and reads == []  # checked from headers alone
+        got = llm.generate(job, max_new_tokens=6).completions
+        assert [c.token_ids for c in got] == [want[r["adapter"][0]] for r in job]
+        assert sorted(reads) == names  # each adapter read once
+        pool = llm.adapter_pool()
+        need = llm.engine.adapter_need
+        assert need.adapters == 1 and pool.cache_elements == 2 * need.elements
+        kept = list(pool._host)  # the last blocks' adapters, as many as the room takes
+        assert kept[-1] == names[-1] and len(kept) < len(names)
+        assert sum(pool._host[n].numel for n in kept) <= pool.cache_elements
+        everything = sum(a.numel for a in llm.adapters.values()) * llm.dtype.itemsize
+        assert llm.adapter_host_bytes(need) == 2 * need.elements * llm.dtype.itemsize < everything
 
 
 def test_cli_lora_flags_and_the_adapter_field(tiny, tmp_path, capsys):
@@ -263,7 +302,9 @@ def test_adapters_are_counted_by_the_plan_and_the_cost_model(tiny, tmp_path, cap
         host = sum(a.numel for a in llm.adapters.values()) * 4  # float32 on this CPU
         llm.generate([{"prompt_ids": [1, 2, 3], "adapter": "b"}], max_new_tokens=2)
         pool = llm.adapter_pool()
-        # resident weights: the block's one adapter on the device, every loaded one in host memory
+        # resident weights: the block's one adapter on the device; in host memory the cache of
+        # adapters read from files, room for two blocks' (here more than all three take)
+        assert 2 * b.numel * 4 > host
         assert llm.engine.plan.parts["adapters"] == {"gpu": b.numel * 4, "cpu": host, "disk": 0}
         assert pool._buf.numel() == b.numel and not pool.paged
         llm.policy_arg = Policy(gpu_batch_size=2, w_gpu_percent=0, w_cpu_percent=100)
@@ -296,8 +337,13 @@ def test_adapters_are_counted_by_the_plan_and_the_cost_model(tiny, tmp_path, cap
                         grouped.slots * 2 * 88 / 3 * mlp_width * 2)
     link = grouped.terms(xs)[("g", "mlp")]["ctog"] - plain_n.terms(xs)[("g", "mlp")]["ctog"]
     assert math.isclose(link, 2 * 88 / 3 * mlp_width * 2 / h200().ctog_bdw)
-    # every adapter of the job in host memory, where the engine's plan counts them too
+    # every adapter of the job in host memory where they are held, as the engine's plan counts them
     assert math.isclose(grouped.memory(xs)["cpu"] - plain_n.memory(xs)["cpu"], 88 * width * 2)
+    # thirty adapters read from files: host memory for two blocks' of them (two a block), held ones all
+    for held, host_ranks in ((0.0, 2 * 2 * 88 / 3), (88.0, 88 + 2 * 2 * 88 / 3), (None, 880)):
+        files = CostModel(spec, h200(), Workload(512, 32, num_prompts=300, lora_ranks=(8, 16, 64) * 10,
+                                                 lora_held=held), Choice(8, 1))
+        assert math.isclose(files.memory(xs)["cpu"] - plain_n.memory(xs)["cpu"], host_ranks * width * 2)
     # the host work LoRA adds to each step of each GPU batch (measured by the profiler)
     hw = replace(h200(), host_step_s=1e-3, lora_host_step_s=4e-4)
     steps = CostModel(spec, hw, Workload(512, 32, lora_ranks=(8,)), Choice(8, 3)).terms(xs)[("g", "mlp")]["host"]
