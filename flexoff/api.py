@@ -509,8 +509,11 @@ class LLM:
                                              training=bool(spare),
                                              need=self.adapter_need(per_block, todo, rider.adapters if spare else ()),
                                              windows=spare or None)
-                    engine.adapters = self.adapter_pool()
-                    for block in plan_blocks(todo, per_block):
+                    engine.adapters = pool = self.adapter_pool()
+                    blocks = plan_blocks(todo, per_block)
+                    for i, block in enumerate(blocks):
+                        if pool is not None:  # the next block's adapters, read while this one runs
+                            pool.upcoming = [r.adapter for r in blocks[i + 1]] if i + 1 < len(blocks) else []
                         comps, st = run_block(engine, self.tokenizer, block, self.seed, prompt_logprobs, on_logits,
                                               rider if spare else None)
                         st.peak_bytes = engine.peaks()

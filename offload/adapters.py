@@ -5,7 +5,8 @@ Knows: each adapter as one flat host buffer in the compute dtype (pinned where c
 GPU), laid out layer by layer so a layer's LoRA is one contiguous segment per adapter; for
 adapters read from files, a host cache of such buffers, least recently used dropped first,
 with room for CACHE_BLOCKS blocks' adapters (a job's blocks group rows by adapter, so each is
-read about once); held adapters (made in memory, trained) keep theirs; a block
+read about once), the next block's read by a thread of its own while the current one runs;
+held adapters (made in memory, trained) keep theirs; a block
 (the adapters its rows use, in index order); two ways of holding a block on the device:
 - resident (the weights are on the device too): a cache of whole adapters in one buffer, each
   copied once and kept while the buffer has room (emptied when a block's adapters do not fit
@@ -23,7 +24,9 @@ Does not know: PEFT's files (flexoff.adapters), the schedule, which rows go in w
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
@@ -169,6 +172,10 @@ class AdapterPool:
         self._fans = {key: (sh.fan_in, sh.fan_out) for a in adapters for key, sh in a.shapes.items()}
         self._host: OrderedDict[str, HostAdapter] = OrderedDict()  # least recently used first
         self.cache_elements: int | None = None  # room for the host copies of adapters read from files
+        self._lock = threading.Lock()  # the cache, shared with the thread that reads the next block's
+        self._reader: ThreadPoolExecutor | None = None
+        self._reading: Future[None] | None = None  # the next block's adapters being read
+        self.upcoming: list[str | None] = []  # the next block's adapters, read once this block has begun
         self._stale: set[str] = set()  # adapters whose host copy is older than their values
         self._layer_numel = {a.name: layer_numel(a) for a in adapters}
         self.block: list[str] = []  # the current block's adapters, by index
@@ -211,6 +218,7 @@ class AdapterPool:
 
     def keep_for(self, need: Need) -> int:
         """Size the host cache for a job whose blocks need `need`; the host bytes that counts."""
+        self.wait()
         self.cache_elements = CACHE_BLOCKS * need.elements
         self._evict(set(self.block))
         return self.host_bytes(need)
@@ -220,24 +228,66 @@ class AdapterPool:
         until those left fit the cache's room."""
         if self.cache_elements is None:
             return
-        files = [n for n in self._host if not self.adapters[n].held]
-        held = sum(self._host[n].numel for n in files)
-        for n in files:
-            if held <= self.cache_elements:
-                break
-            if n not in keep:
-                held -= self._host.pop(n).numel
+        with self._lock:
+            files = [n for n in self._host if not self.adapters[n].held]
+            held = sum(self._host[n].numel for n in files)
+            for n in files:
+                if held <= self.cache_elements:
+                    break
+                if n not in keep:
+                    held -= self._host.pop(n).numel
+
+    def drop_host_cache(self, keep: Iterable[str] = ()) -> None:
+        """Forget the host copies of adapters read from files, but those in `keep` (their next
+        use reads the files again)."""
+        self.wait()
+        kept = set(keep)
+        with self._lock:
+            for n in [n for n in self._host if not self.adapters[n].held and n not in kept]:
+                del self._host[n]
+
+    def prefetch(self, names: Iterable[str | None]) -> None:
+        """Start reading these adapters (the next block's) from their files into the host cache,
+        in a thread of its own, while the current block runs (its adapters stay); the next
+        begin() waits for it."""
+        want = [n for n in dict.fromkeys(names) if n is not None and not self.adapters[n].held]
+        with self._lock:
+            want = [n for n in want if n not in self._host]
+        if not want:
+            return
+        self.wait()
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix="flexoff-adapters")
+        current = set(self.block)
+
+        def read() -> None:
+            for n in want:
+                h = HostAdapter(self.adapters[n], self.dtype, self.pin)
+                with self._lock:
+                    self._host.setdefault(n, h)
+            self._evict(current | set(want))
+
+        self._reading = self._reader.submit(read)
+
+    def wait(self) -> None:
+        """Let a prefetch finish (its errors, such as an unreadable file, are raised here)."""
+        reading, self._reading = self._reading, None
+        if reading is not None:
+            reading.result()
 
     def host(self, name: str, fresh: bool = True) -> HostAdapter:
         """An adapter's host copy (its layout; its values are current unless `fresh` is off),
         read from its file if the cache does not hold it."""
-        h = self._host.get(name)
+        with self._lock:
+            h = self._host.get(name)
+            if h is not None:
+                self._host.move_to_end(name)
         if h is None:
-            h = self._host[name] = HostAdapter(self.adapters[name], self.dtype, self.pin)
-        else:
-            self._host.move_to_end(name)
-            if fresh and name in self._stale:
-                h.write(self.adapters[name])
+            h = HostAdapter(self.adapters[name], self.dtype, self.pin)
+            with self._lock:
+                self._host[name] = h
+        elif fresh and name in self._stale:
+            h.write(self.adapters[name])
         if fresh:
             self._stale.discard(name)
         return h
@@ -271,6 +321,7 @@ class AdapterPool:
         """Make the block whose rows use `names` current: indices, packs and (resident) the
         adapters on the device. `cap` is what the engine planned room for."""
         used = list(dict.fromkeys(n for n in names if n is not None))
+        self.wait()  # the block's adapters read ahead, if they were
         if len(used) > cap.adapters:
             raise RuntimeError(f"internal: a block of {len(used)} adapters in room planned for {cap.adapters}")
         paged = not all(s.resident for s in weights.splits)
@@ -303,6 +354,8 @@ class AdapterPool:
             for i, vals in enumerate(rows):
                 host[i, :len(vals)] = torch.tensor(vals, dtype=table.dtype)
             table.copy_(host)
+        upcoming, self.upcoming = self.upcoming, []
+        self.prefetch(upcoming)
 
     def device_bytes(self) -> int:
         """Bytes of the adapters' device buffers (the cache or the pages, and their tables)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import threading
 
 import pytest
 import torch
@@ -134,8 +135,8 @@ def test_a_closed_engine_gives_back_the_adapters_device_room(tiny, tmp_path):
 @pytest.mark.parametrize("policy", POLICIES[:2], ids=["resident", "streamed"])
 def test_adapters_are_read_from_their_files_into_a_cache_of_two_blocks(tiny, tmp_path, monkeypatch, policy):
     """Six adapters from PEFT folders, a job of blocks of one adapter each: every row's tokens
-    equal PEFT's with its adapter; each file is read once per job; host memory keeps at most two
-    blocks' adapters (and the plan counts only those)."""
+    equal PEFT's with its adapter; each file is read once per job, a block's while the block
+    before it runs; host memory keeps at most two blocks' adapters (and the plan counts only those)."""
     from flexoff.adapters import peft as peft_files
 
     path = tiny["llama"].path
@@ -146,10 +147,12 @@ def test_adapters_are_read_from_their_files_into_a_cache_of_two_blocks(tiny, tmp
     prompt, names = PROMPTS[0], sorted(made)
     want = {n: peft_greedy(path, made[n], prompt, 6) for n in ("a", "b", "c")}
     reads: list[str] = []
+    threads: list[str] = []
     real = peft_files._read_safetensors
 
     def counted(file, where, named):
         reads.append(file.parent.name)
+        threads.append(threading.current_thread().name)
         return real(file, where, named)
 
     monkeypatch.setattr(peft_files, "_read_safetensors", counted)
@@ -159,6 +162,9 @@ def test_adapters_are_read_from_their_files_into_a_cache_of_two_blocks(tiny, tmp
         got = llm.generate(job, max_new_tokens=6).completions
         assert [c.token_ids for c in got] == [want[r["adapter"][0]] for r in job]
         assert sorted(reads) == names  # each adapter read once
+        # the first block's read when it began, each later one's while the block before it ran
+        assert threads[0] == threading.current_thread().name
+        assert all(t.startswith("flexoff-adapters") for t in threads[1:])
         pool = llm.adapter_pool()
         need = llm.engine.adapter_need
         assert need.adapters == 1 and pool.cache_elements == 2 * need.elements
