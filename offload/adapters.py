@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
@@ -122,10 +121,10 @@ class HostAdapter:
             m.B = self.flat[s.b_off:s.b_off + r * fout].view(r, fout).t()
 
     def write(self, a: Adapter, modules: Mapping[Key, Any] | None = None) -> None:
-        """Copy the adapter's values (`modules`, else its own) in (again, after an optimizer step changed them): converted
-        to the buffer's dtype where they are, WRITE_CHUNK bytes at a time, each chunk brought
-        over in one copy (a synchronous copy per tensor, 566 for OPT-30B's adapter on the GPU,
-        took 105 ms of each training step)."""
+        """Copy the adapter's values (`modules`, else its own) in (again, after an optimizer step
+        changed them): converted to the buffer's dtype where they are, WRITE_CHUNK bytes at a
+        time, each chunk brought over in one copy (a synchronous copy per tensor, 566 for
+        OPT-30B's adapter on the GPU, took 105 ms of each training step)."""
         keys, at = list(self.slots), 0
         modules = a.modules if modules is None else modules
         while at < len(keys):
@@ -173,8 +172,7 @@ class AdapterPool:
         self._host: OrderedDict[str, HostAdapter] = OrderedDict()  # least recently used first
         self.cache_elements: int | None = None  # room for the host copies of adapters read from files
         self._lock = threading.Lock()  # the cache, shared with the thread that reads the next block's
-        self._reader: ThreadPoolExecutor | None = None
-        self._reading: Future[None] | None = None  # the next block's adapters being read
+        self._reading: tuple[threading.Thread, list[BaseException]] | None = None  # that thread, its error
         self.upcoming: list[str | None] = []  # the next block's adapters, read once this block has begun
         self._stale: set[str] = set()  # adapters whose host copy is older than their values
         self._layer_numel = {a.name: layer_numel(a) for a in adapters}
@@ -256,24 +254,29 @@ class AdapterPool:
         if not want:
             return
         self.wait()
-        if self._reader is None:
-            self._reader = ThreadPoolExecutor(1, thread_name_prefix="flexoff-adapters")
-        current = set(self.block)
+        current, failed = set(self.block), []
 
         def read() -> None:
-            for n in want:
-                h = HostAdapter(self.adapters[n], self.dtype, self.pin)
-                with self._lock:
-                    self._host.setdefault(n, h)
-            self._evict(current | set(want))
+            try:
+                for n in want:
+                    h = HostAdapter(self.adapters[n], self.dtype, self.pin)
+                    with self._lock:
+                        self._host.setdefault(n, h)
+                self._evict(current | set(want))
+            except BaseException as e:  # raised by wait(), in the thread that runs the blocks
+                failed.append(e)
 
-        self._reading = self._reader.submit(read)
+        thread = threading.Thread(target=read, name="flexoff-adapters", daemon=True)
+        thread.start()
+        self._reading = (thread, failed)
 
     def wait(self) -> None:
         """Let a prefetch finish (its errors, such as an unreadable file, are raised here)."""
         reading, self._reading = self._reading, None
         if reading is not None:
-            reading.result()
+            reading[0].join()
+            if reading[1]:
+                raise reading[1][0]
 
     def host(self, name: str, fresh: bool = True) -> HostAdapter:
         """An adapter's host copy (its layout; its values are current unless `fresh` is off),

@@ -175,6 +175,32 @@ def test_adapters_are_read_from_their_files_into_a_cache_of_two_blocks(tiny, tmp
         assert llm.adapter_host_bytes(need) == 2 * need.elements * llm.dtype.itemsize < everything
 
 
+def test_an_adapter_file_gone_or_changed_after_loading_is_a_one_line_error(tiny, tmp_path):
+    """Adapters are read when a block uses them (the next block's in a thread): a file removed
+    or replaced by another rank's after loading fails the job with one line naming the adapter,
+    raised in the caller's thread, and the blocks before it were answered."""
+    from flexoff.errors import InputError
+
+    path = tiny["llama"].path
+    job = [{"prompt_ids": PROMPTS[0], "adapter": n} for n in ("a", "b", "c")]
+    for broken, why in (("c", "cannot read its weights"), ("b", "changed since it was loaded")):
+        made, done = make_adapters(path, "llama", tmp_path / broken), []
+        with LLM(str(path), lora=made, policy=Policy(gpu_batch_size=1)) as llm:
+            target = tmp_path / broken / broken / "adapter_model.safetensors"
+            if broken == "c":
+                target.unlink()
+            else:  # the same weights cut to a smaller rank
+                from safetensors.torch import load_file, save_file
+
+                cut = {k: (t[:2] if ".lora_A." in k else t[:, :2]).contiguous() for k, t in load_file(target).items()}
+                save_file(cut, target)
+            with pytest.raises(InputError) as e:
+                llm.generate(job, max_new_tokens=2, on_block=lambda comps, st: done.extend(comps))
+        msg = str(e.value)
+        assert f"adapter {broken!r}" in msg and why in msg and "\n" not in msg
+        assert len(done) == "abc".index(broken)  # the blocks before the broken adapter's were answered
+
+
 def test_cli_lora_flags_and_the_adapter_field(tiny, tmp_path, capsys):
     path = tiny["llama"].path
     adapters = make_adapters(path, "llama", tmp_path / "dir")
