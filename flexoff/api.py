@@ -192,7 +192,7 @@ class LLM:
                                    self.options.budgets, link)
         self.allow_pickle = allow_pickle
         self.adapters: dict[str, Adapter] = {}  # LoRA adapters by name
-        self._pool: tuple[tuple[str, ...], AdapterPool] | None = None
+        self._pool: tuple[tuple[tuple[str, int], ...], AdapterPool] | None = None
         self._job: Sequence[Request] = ()  # the requests being run (for --policy auto and the adapters' room)
         for name, path in (lora or {}).items():
             self.load_lora(name, path)
@@ -247,10 +247,10 @@ class LLM:
         return self.adapters[name].numel / per_rank
 
     def adapter_pool(self) -> AdapterPool | None:
-        """The loaded adapters (made again when the set changes)."""
+        """The loaded adapters (made again when the set changes, or a name is loaded again)."""
         if not self.adapters:
             return None
-        names = tuple(self.adapters)
+        names = tuple((n, id(a)) for n, a in self.adapters.items())
         if self._pool is None or self._pool[0] != names:
             self._pool = (names, AdapterPool(list(self.adapters.values()), self.device, self.dtype))
         return self._pool[1]

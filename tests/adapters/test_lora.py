@@ -201,6 +201,19 @@ def test_an_adapter_file_gone_or_changed_after_loading_is_a_one_line_error(tiny,
         assert len(done) == "abc".index(broken)  # the blocks before the broken adapter's were answered
 
 
+def test_a_name_loaded_again_serves_the_new_adapter(tiny, tmp_path):
+    """load_lora under a name already loaded replaces that adapter for the next jobs."""
+    path = tiny["llama"].path
+    made = make_adapters(path, "llama", tmp_path)
+    job = [{"prompt_ids": PROMPTS[2], "adapter": "x"}]
+    with LLM(str(path), lora={"x": made["a"]}) as llm:
+        first = llm.generate(job, max_new_tokens=6).completions[0].token_ids
+        llm.load_lora("x", made["b"])
+        second = llm.generate(job, max_new_tokens=6).completions[0].token_ids
+    assert first == peft_greedy(path, made["a"], PROMPTS[2], 6)
+    assert second == peft_greedy(path, made["b"], PROMPTS[2], 6) != first
+
+
 def test_cli_lora_flags_and_the_adapter_field(tiny, tmp_path, capsys):
     path = tiny["llama"].path
     adapters = make_adapters(path, "llama", tmp_path / "dir")
