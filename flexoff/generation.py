@@ -10,6 +10,7 @@ Does not know: placement or the schedule (the engine's), model math.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Protocol, Sequence
@@ -127,10 +128,26 @@ class RunStats:
                 f"generation throughput {self.generation_throughput:.2f} tok/s")
 
 
+# A job of this many LoRA adapters or more groups rows by adapter across prompt lengths within
+# LENGTH_STEP of each other: a block then reads and pages in a few adapters instead of one per
+# row, for at most 12.5% more prompt padding.
+MANY_ADAPTERS = 8
+LENGTH_STEP = 1.125
+
+
 def plan_blocks(requests: Sequence[Request], block_size: int) -> list[list[Request]]:
-    """Blocks of similar prompt length (less padding), longest last; among equal lengths, rows of
-    one LoRA adapter together (a block then pages in fewer adapters)."""
-    order = sorted(requests, key=lambda r: (len(r.prompt_ids), r.params.max_new_tokens, r.adapter or ""))
+    """Blocks of similar prompt length (less padding), longest last; rows of one LoRA adapter
+    together among equal lengths, or (MANY_ADAPTERS or more in the job) among lengths in one
+    LENGTH_STEP band (a block then uses fewer adapters)."""
+    if len({r.adapter for r in requests} - {None}) >= MANY_ADAPTERS:
+        def key(r: Request) -> tuple[Any, ...]:
+            n = len(r.prompt_ids)
+            return (math.floor(math.log(max(1, n)) / math.log(LENGTH_STEP)), r.params.max_new_tokens,
+                    r.adapter or "", n)
+    else:
+        def key(r: Request) -> tuple[Any, ...]:
+            return (len(r.prompt_ids), r.params.max_new_tokens, r.adapter or "")
+    order = sorted(requests, key=key)
     return [order[i:i + block_size] for i in range(0, len(order), block_size)]
 
 

@@ -134,3 +134,27 @@ def test_stats_count_tokens_and_time(tiny):
     assert st.blocks == math.ceil(len(PROMPTS) / 4)
     assert st.prefill_s > 0 and st.decode_s > 0 and st.generation_throughput > 0
     assert st.padded_prompt_tokens >= st.prompt_tokens
+
+
+def test_blocks_group_a_many_adapter_job_by_adapter_across_near_lengths():
+    """Prompts of lengths 201-225 (one LENGTH_STEP band) spread over 20 adapters, 6 rows each: in
+    exact-length order a block of 12 holds 8 adapters or more; grouped by adapter within the band
+    it holds at most three, with every row in one block and a block's lengths within the step.
+    A job of fewer than MANY_ADAPTERS adapters keeps the exact-length order."""
+    import random
+
+    from flexoff.generation import LENGTH_STEP, MANY_ADAPTERS, Request, plan_blocks
+
+    rng = random.Random(0)
+    params = SamplingParams(max_new_tokens=4)
+    reqs = [Request(f"r{i}", None, [1] * rng.randint(201, 225), params, adapter=f"a{i % 20}") for i in range(120)]
+    blocks = plan_blocks(reqs, 12)
+    assert sorted(r.id for b in blocks for r in b) == sorted(r.id for r in reqs)
+    by_length = sorted(reqs, key=lambda r: len(r.prompt_ids))
+    assert max(len({r.adapter for r in by_length[i:i + 12]}) for i in range(0, 120, 12)) >= 8  # what grouping avoids
+    assert max(len({r.adapter for r in b}) for b in blocks) <= 3
+    for b in blocks:
+        lengths = [len(r.prompt_ids) for r in b]
+        assert max(lengths) <= min(lengths) * LENGTH_STEP
+    few = [Request(r.id, None, r.prompt_ids, params, adapter=f"a{i % (MANY_ADAPTERS - 1)}") for i, r in enumerate(reqs)]
+    assert [len(r.prompt_ids) for b in plan_blocks(few, 12) for r in b] == sorted(len(r.prompt_ids) for r in few)
