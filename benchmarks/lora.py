@@ -157,7 +157,7 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
                  "decode_tiling": args.decode_tiling, "side_stream": args.side_stream, "stacked": args.stacked,
                  "policy": m.last_policy.describe(), "auto": auto, "setup_adapters_s": made, "job_prompts": job,
                  "adapters_from": "files" if args.adapter_dir else "memory",
-                 "adapter_host_bytes": m.adapter_host_bytes()}
+                 "adapter_host_bytes": m.adapter_host_bytes(m.engine.adapter_need)}  # what the plan counts
     for v, (one, full) in runs:
         r = record("flexoff", f"lora-{v}", rows, args.gen_len, one, full, **extra)
         r["vs_no_lora"] = r["generation_throughput"] / out[0]["generation_throughput"]
