@@ -229,16 +229,19 @@ class LLM:
         pool = self.adapter_pool()
         return pool.host_bytes(need) if pool is not None else 0
 
+    def _used_adapters(self) -> list[str]:
+        """The adapters the job uses (every loaded one, outside a job), in loading order."""
+        used = {r.adapter for r in self._job} - {None} if self._job else set(self.adapters)
+        return [n for n in self.adapters if n in used]
+
     def lora_held(self) -> float:
         """The part of lora_ranks() held in memory (the rest is read from files into a cache)."""
-        used = {r.adapter for r in self._job} - {None} if self._job else set(self.adapters)
-        return sum(self.adapter_rank(n) for n, a in self.adapters.items() if n in used and a.held)
+        return sum(self.adapter_rank(n) for n in self._used_adapters() if self.adapters[n].held)
 
     def lora_ranks(self) -> tuple[float, ...]:
         """Each adapter the job uses (every loaded one, outside a job) as the cost model sees it:
         the rank that on every linear layer would hold as many values."""
-        used = {r.adapter for r in self._job} - {None} if self._job else set(self.adapters)
-        return tuple(self.adapter_rank(n) for n in self.adapters if n in used)
+        return tuple(self.adapter_rank(n) for n in self._used_adapters())
 
     def adapter_rank(self, name: str) -> float:
         """A loaded adapter as the cost model sees it: the rank that on every linear layer would

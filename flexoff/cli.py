@@ -476,14 +476,13 @@ def policy_search(model: str, prompt_len: int, gen_len: int, num_prompts: int | 
     click.echo(f"bottleneck  {p.bottleneck}")
     click.echo("memory      " + ", ".join(f"{t} {v / gib:.2f} GiB" for t, v in p.memory.items()))
     if ranks:
-        from flexoff.policy.cost_model import lora_per_block
-        from flexoff.policy.policy import CACHE_BLOCKS
+        from flexoff.policy.cost_model import lora_host_ranks, lora_per_block
 
         width = sum(spec.lora_width(j) for j in range(len(spec.layers)))
         used, mean = lora_per_block(work, best.policy.block_size)
         held = used * mean * width * work.elem_bytes / gib
         where = "on the GPU" if best.policy.w_gpu_percent >= 100 else "paged in with each layer's weights"
-        cached = min(len(ranks), CACHE_BLOCKS * used) * mean * width * work.elem_bytes / gib
+        cached = lora_host_ranks(work, best.policy.block_size) * width * work.elem_bytes / gib
         click.echo(f"lora        {len(ranks)} adapters (mean rank {mean:g}) on every linear layer; a block uses "
                    f"{used}: {held:.2f} GiB {where}, {cached:.2f} GiB cached in CPU memory (the rest read "
                    f"from their files), {2 * mean * width:.3g} FLOPs per token (base "

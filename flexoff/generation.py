@@ -139,14 +139,13 @@ def plan_blocks(requests: Sequence[Request], block_size: int) -> list[list[Reque
     """Blocks of similar prompt length (less padding), longest last; rows of one LoRA adapter
     together among equal lengths, or (MANY_ADAPTERS or more in the job) among lengths in one
     LENGTH_STEP band (a block then uses fewer adapters)."""
-    if len({r.adapter for r in requests} - {None}) >= MANY_ADAPTERS:
-        def key(r: Request) -> tuple[Any, ...]:
-            n = len(r.prompt_ids)
-            return (math.floor(math.log(max(1, n)) / math.log(LENGTH_STEP)), r.params.max_new_tokens,
-                    r.adapter or "", n)
-    else:
-        def key(r: Request) -> tuple[Any, ...]:
-            return (len(r.prompt_ids), r.params.max_new_tokens, r.adapter or "")
+    banded = len({r.adapter for r in requests} - {None}) >= MANY_ADAPTERS
+
+    def key(r: Request) -> tuple[Any, ...]:
+        n = len(r.prompt_ids)
+        band = math.floor(math.log(max(1, n)) / math.log(LENGTH_STEP)) if banded else n
+        return (band, r.params.max_new_tokens, r.adapter or "", n)
+
     order = sorted(requests, key=key)
     return [order[i:i + block_size] for i in range(0, len(order), block_size)]
 

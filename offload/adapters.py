@@ -102,8 +102,7 @@ class HostAdapter:
             self.segments[key[0]] = (lo, at)
         self.numel = at
         self.flat = pinned_empty(at, dtype, self) if pin else torch.empty(at, dtype=dtype)
-        modules = a.modules  # an adapter not held: read from its file, once
-        self.write(a, modules)
+        self.write(a.modules)  # an adapter not held: read from its file, once
         if a.held:
             self._share(a)
 
@@ -120,13 +119,12 @@ class HostAdapter:
             m.A = self.flat[s.a_off:s.a_off + m.A.numel()].view_as(m.A)
             m.B = self.flat[s.b_off:s.b_off + r * fout].view(r, fout).t()
 
-    def write(self, a: Adapter, modules: Mapping[Key, Any] | None = None) -> None:
-        """Copy the adapter's values (`modules`, else its own) in (again, after an optimizer step
-        changed them): converted to the buffer's dtype where they are, WRITE_CHUNK bytes at a
+    def write(self, modules: Mapping[Key, Any]) -> None:
+        """Copy the adapter's values (its modules) in (again, after an optimizer step changed
+        them): converted to the buffer's dtype where they are, WRITE_CHUNK bytes at a
         time, each chunk brought over in one copy (a synchronous copy per tensor, 566 for
         OPT-30B's adapter on the GPU, took 105 ms of each training step)."""
         keys, at = list(self.slots), 0
-        modules = a.modules if modules is None else modules
         while at < len(keys):
             lo, hi, pairs = self.slots[keys[at]].a_off, 0, []
             while at < len(keys) and (not pairs or hi - lo <= WRITE_CHUNK // self.flat.element_size()):
@@ -228,12 +226,12 @@ class AdapterPool:
             return
         with self._lock:
             files = [n for n in self._host if not self.adapters[n].held]
-            held = sum(self._host[n].numel for n in files)
+            kept = sum(self._host[n].numel for n in files)
             for n in files:
-                if held <= self.cache_elements:
+                if kept <= self.cache_elements:
                     break
                 if n not in keep:
-                    held -= self._host.pop(n).numel
+                    kept -= self._host.pop(n).numel
 
     def drop_host_cache(self, keep: Iterable[str] = ()) -> None:
         """Forget the host copies of adapters read from files, but those in `keep` (their next
@@ -290,7 +288,7 @@ class AdapterPool:
             with self._lock:
                 self._host[name] = h
         elif fresh and name in self._stale:
-            h.write(self.adapters[name])
+            h.write(self.adapters[name].modules)
         if fresh:
             self._stale.discard(name)
         return h

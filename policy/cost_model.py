@@ -133,6 +133,15 @@ def lora_per_block(work: Workload, bls: int) -> tuple[int, float]:
     return used, sum(ranks) / len(ranks)
 
 
+def lora_host_ranks(work: Workload, bls: int) -> float:
+    """The adapters' host memory as a sum of ranks on every linear layer: the held ones, and of
+    those read from files the cache of CACHE_BLOCKS blocks' adapters (all of them, if fewer)."""
+    total = sum(work.lora_ranks)
+    held = total if work.lora_held is None else work.lora_held
+    used, mean = lora_per_block(work, bls)
+    return held + min(total - held, CACHE_BLOCKS * used * mean)
+
+
 @dataclass(frozen=True)
 class Choice:
     """The discrete part of a policy, fixed while the LP picks the placement."""
@@ -214,13 +223,11 @@ class CostModel:
         used, mean = lora_per_block(work, choice.bls)
         width = {k: spec.lora_width(first[k]) if first[k] is not None else 0 for k in KINDS}
         self.lora_layer = {k: used * mean * width[k] * eb for k in KINDS}  # bytes per layer
-        self.lora_bytes = used * mean * sum(spec.lora_width(j) for j in range(len(spec.layers))) * eb
+        per_rank = sum(spec.lora_width(j) for j in range(len(spec.layers))) * eb  # bytes of rank 1 on every layer
+        self.lora_bytes = used * mean * per_rank
         self.lora_F = {k: 2 * mean * width[k] for k in KINDS}
         # the held adapters' host copies, and the cache of those read from files, whatever the placement
-        total = sum(work.lora_ranks)
-        held = total if work.lora_held is None else work.lora_held
-        cached = min(total - held, CACHE_BLOCKS * used * mean)
-        self.lora_host = (held + cached) * sum(spec.lora_width(j) for j in range(len(spec.layers))) * eb
+        self.lora_host = lora_host_ranks(work, choice.bls) * per_rank
 
     # ---- the LP's view ---------------------------------------------------
     def sweep_count(self, stage: str) -> int:

@@ -106,7 +106,7 @@ def test_host_copy_is_rewritten_in_chunks_after_the_values_change(tiny, tmp_path
             m.A.copy_(torch.randn(m.A.shape, generator=g))
             m.B.copy_(torch.randn(m.B.shape, generator=g))
     h.flat.zero_()
-    h.write(a)
+    h.write(a.modules)
     for k, m in a.modules.items():
         s = h.slots[k]
         assert torch.equal(h.flat[s.a_off:s.a_off + m.A.numel()].view_as(m.A), m.A.detach().half())
