@@ -85,9 +85,11 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
     from flexoff.kernels import lora as L
     from throughput import parse_policy
 
-    L.WRITE_FIRST = args.deltas == "first"
+    if args.deltas is not None:
+        L.WRITE_FIRST = args.deltas == "first"
     L.SIDE_STREAM = args.side_stream == "on"
     L.STACKED = args.stacked == "on"
+    L.TILES_STACKED = args.stacked_prefill == "on"
     L.DECODE.update(json.loads(args.decode_tiling))
 
     g = torch.Generator().manual_seed(args.seed)
@@ -155,6 +157,7 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
             runs.append(("cold", timed(m, prompts, args.gen_len, names, m.adapter_pool().drop_cache, policy=with_lora)))
         extra = {"adapters": args.adapters, "used_adapters": len(used), "mean_rank": mean_rank, "deltas": args.deltas,
                  "decode_tiling": args.decode_tiling, "side_stream": args.side_stream, "stacked": args.stacked,
+                 "stacked_prefill": args.stacked_prefill, "write_first": L.WRITE_FIRST,
                  "policy": m.last_policy.describe(), "auto": auto, "setup_adapters_s": made, "job_prompts": job,
                  "adapters_from": "files" if args.adapter_dir else "memory",
                  "adapter_host_bytes": m.adapter_host_bytes(m.engine.adapter_need)}  # what the plan counts
@@ -237,6 +240,7 @@ def kernel_part(args: argparse.Namespace, bw: float) -> list[dict[str, Any]]:
     from flexoff.kernels.lora import LoraPack, lora_delta_triton, lora_linears, lora_shrink
 
     g = torch.Generator().manual_seed(args.seed)
+    configs = {**CONFIGS, "decode": json.loads(args.decode_configs)} if args.decode_configs else CONFIGS
     out, saved = [], (dict(L.DECODE), dict(L.PREFILL), L.WRITE_FIRST, L.SIDE_STREAM)
     cases = [(int(n), 1, shape, rk) for n in str(args.rows).split(",") for shape in SHAPES
              for rk in ("16", "64", "mixed")]
@@ -265,7 +269,7 @@ def kernel_part(args: argparse.Namespace, bw: float) -> list[dict[str, Any]]:
             return {"system": "kernel", "variant": f"{shape} {variant}", "batch": n, "tokens_per_row": s,
                     "us": 1e6 * sec, "GBps": moved / sec / 1e9, "of_copy_bandwidth": moved / sec / bw}
 
-        for cfg in CONFIGS[kind]:
+        for cfg in configs[kind]:
             table.update({**saved[s > 1], **cfg})
             tiles = ",".join(f"{k}={v}" for k, v in cfg.items()) or "default"
             out.append(row(tiles, gpu_seconds(lambda: lora_delta_triton(x, y, ids, pack), calls)))
@@ -317,12 +321,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--peft-batch", type=int, default=32)
     ap.add_argument("--rows", default="8,128", help="kernel part: decode rows (a list), each with its own adapter")
     ap.add_argument("--prefill-rows", type=int, default=128, help="kernel part: prefill rows of --prompt-len tokens")
-    ap.add_argument("--deltas", choices=("first", "after"), default="first",
-                    help="population: LoRA deltas written before the base matmul adds itself, or added after it")
+    ap.add_argument("--deltas", choices=("first", "after"), default=None,
+                    help="population, prefill: LoRA deltas written before the base matmul adds itself, or added "
+                         "after it (default: the kernels' WRITE_FIRST)")
     ap.add_argument("--side-stream", choices=("on", "off"), default="on",
                     help="population: decode deltas on a stream of their own beside the base matmul, or not")
     ap.add_argument("--stacked", choices=("on", "off"), default="on",
                     help="population: stacked projections' decode deltas (q, k, v; gate, up) in one launch, or one each")
+    ap.add_argument("--stacked-prefill", choices=("on", "off"), default="on",
+                    help="population: the same for prefill tiles (the shrink reads x once for all)")
+    ap.add_argument("--decode-configs", default=None,
+                    help='kernel part: JSON list of decode tilings to compare (default: %s)' % json.dumps(CONFIGS["decode"]))
     ap.add_argument("--decode-tiling", default="{}",
                     help='population: JSON over the LoRA kernels\' DECODE tiling, e.g. \'{"lane_k": 2048}\'')
     ap.add_argument("--seed", type=int, default=0)

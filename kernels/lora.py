@@ -9,14 +9,15 @@ other (the pool pages them per adapter); adding scale * (x @ A_a.T) @ B_a.T to t
 whose adapter is a (index -1: none). Two passes, as Punica and S-LoRA run them: shrink onto the
 adapter's rank (partial results kept apart and summed in a fixed order, so results do not depend
 on timing) and expand onto the outputs, added to y in place or (for plain base weights,
-`lora_linears`) written first with the base matmul added onto them. Rows of few tokens (decode)
+`lora_linears`) optionally written first with the base matmul added onto them. Rows of few tokens (decode)
 go token by token, memory-bound: the shrink by rank lanes (each program one contiguous run of
 A), or for a handful of tokens split over the inputs so they still fill the GPU; both passes
 step through an adapter's own rank a few lanes at a time, so a rank-8 adapter costs what its
 bytes cost and not the pool's largest rank; projections stacked in one weight (q, k, v; gate,
 up) whose packs share the pool's buffer and tables go through one launch of each pass. Rows of
-many tokens (prefill) go in tiles of tokens through tl.dot: the shrink reads each input once,
-the expand each output once.
+many tokens (prefill) go in tiles of tokens through tl.dot: the shrink reads each input once
+(stacked projections too: their programs for one tile run side by side), the expand each
+output once.
 Does not know: where adapters come from, which rows have which adapter.
 """
 
@@ -100,16 +101,17 @@ def lora_delta(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: LoraPack,
 # than 16 tokens each) go token by token: a batch of `lanes_from` tokens or more shrinks by rank
 # lanes (program: `rc` lanes of one token over `lane_k` inputs, 0: all of them; `bk` inputs per
 # load), a smaller one by splits of `split_k` inputs (enough programs for a few tokens; every
-# lane, `split_rc` at a time, `split_bk` inputs a step); the expand steps through the shrink's
-# lanes over `bn` outputs per program.
+# lane, `split_rc` at a time, `split_bk` inputs a step); the expand steps through the rank
+# `erc` lanes at a time (0: the shrink's step) over `bn` outputs per program.
 # Prefill rows go in tiles of `bm` tokens through tl.dot: `bk` inputs per shrink step, `bn`
 # outputs per expand program.
 DECODE = {"lanes_from": 16, "lane_k": 0, "split_k": 256, "bk": 512, "split_bk": 256, "rc": 8, "split_rc": 32,
-          "bn": 256, "warps": 4}
+          "erc": 0, "bn": 256, "warps": 4}
 PREFILL = {"bm": 128, "bk": 64, "bn": 128, "warps": 8}
-WRITE_FIRST = True  # lora_linears: the deltas written first and the base matmul added onto them
+WRITE_FIRST = False  # lora_linears, tiles: the deltas written first and the base matmul added onto them
 SIDE_STREAM = True  # lora_linears, decode rows on CUDA: deltas beside the base matmul on a stream of their own
 STACKED = True  # lora_linears, decode rows: stacked projections' deltas in one launch of each pass (`_stack`)
+TILES_STACKED = True  # the same for tiles (prefill), whose shrink then reads each tile of x once for all
 
 
 if HAVE_TRITON:
@@ -192,22 +194,26 @@ if HAVE_TRITON:
         _store(Y, B + col, Y + tok * sy + col + outs, acc, outs, om, om, r, sc, ADD, HAS_B)
 
     @triton.jit
-    def _tile(IDS, RANK, SCALE, OFF, per_row, R: tl.constexpr, BM: tl.constexpr):
-        """Program (row, tile of its tokens): the adapter's rank, scale and matrix, the tile's
-        tokens and which exist, the rank lanes and which are live."""
-        row, mb = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    def _tile(IDS, RANK, SCALE, OFF, row, mb, per_row, R: tl.constexpr, BM: tl.constexpr):
+        """Tile mb of row's tokens: the adapter's rank, scale and matrix, the tile's tokens and
+        which exist, the rank lanes and which are live."""
         r, sc, off = _adapter(IDS, RANK, SCALE, OFF, row)
         ms = mb * BM + tl.arange(0, BM)
         ks = tl.arange(0, R)
         return r, sc, off, row * per_row + ms, ms < per_row, ks, ks < r
 
     @triton.jit
-    def _tile_shrink(X, IDS, W, AOFF, RANK, SCALE, V, per_row, K, sx,
+    def _tile_shrink(X, IDS, W, AOFF, RANK, SCALE, V, per_row, K, sx, NT, TILES, NP, SA1, SA2, SR1, SR2,
                      R: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
-        """Prefill pass one: program (row, tile of tokens) writes x @ A.T for the tile to V (in
-        the compute dtype, as a matmul's output; R lanes per token, those past the rank never
-        written), reading each input once."""
-        r, _, ao, toks, mm, ks, live = _tile(IDS, RANK, SCALE, AOFF, per_row, R, BM)
+        """Prefill pass one: program (projection pj of NP, tile of tokens, row) writes x @ A.T
+        for the tile to V[pj] (in the compute dtype, as a matmul's output; R lanes per token,
+        those past the rank never written), reading each input once. Projections vary fastest,
+        so stacked projections' programs for one tile run side by side and read its x once from
+        memory (the others find it in L2)."""
+        pid = tl.program_id(0).to(tl.int64)
+        pj, t = pid % NP, pid // NP
+        r, _, ao, toks, mm, ks, live = _tile(IDS, RANK + _shift(pj, SR1, SR2), SCALE, AOFF + _shift(pj, SA1, SA2),
+                                             t // TILES, t % TILES, per_row, R, BM)
         if r > 0:
             acc = tl.zeros((BM, R), tl.float32)
             for k0 in range(0, K, BK):
@@ -216,23 +222,31 @@ if HAVE_TRITON:
                 x = tl.load(X + toks[:, None] * sx + c[None, :], mask=mm[:, None] & cm[None, :], other=0.0)
                 at = tl.load(W + ao + ks[None, :] * K + c[:, None], mask=live[None, :] & cm[:, None], other=0.0)
                 acc += tl.dot(x, at)
-            tl.store(V + toks[:, None] * R + ks[None, :], acc.to(V.dtype.element_ty), mask=mm[:, None] & live[None, :])
+            tl.store(V + (pj * NT + toks[:, None]) * R + ks[None, :], acc.to(V.dtype.element_ty),
+                     mask=mm[:, None] & live[None, :])
 
     @triton.jit
-    def _tile_expand(Y, B, IDS, W, BOFF, RANK, SCALE, V, per_row, N, sy,
+    def _tile_expand(Y, B, IDS, W, BOFF, RANK, SCALE, V, per_row, N, sy, NT, NB, SB1, SB2, SR1, SR2, SS1, SS2,
                      R: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, ADD: tl.constexpr, HAS_B: tl.constexpr):
-        """Prefill pass two: program (row, tile of tokens, block of outputs) expands v (lanes
-        past the rank never read) onto its block of y."""
-        r, sc, bo, toks, mm, ks, live = _tile(IDS, RANK, SCALE, BOFF, per_row, R, BM)
-        outs = tl.program_id(2) * BN + tl.arange(0, BN)
+        """Prefill pass two: program (row, tile of tokens, block nb of projection pj's NB
+        blocks of outputs, its N columns from pj * N) expands v (lanes past the rank never
+        read) onto its block of y."""
+        z = tl.program_id(2)
+        pj, nb = z // NB, z % NB
+        r, sc, bo, toks, mm, ks, live = _tile(IDS, RANK + _shift(pj, SR1, SR2), SCALE + _shift(pj, SS1, SS2),
+                                              BOFF + _shift(pj, SB1, SB2), tl.program_id(0).to(tl.int64),
+                                              tl.program_id(1), per_row, R, BM)
+        outs = nb * BN + tl.arange(0, BN)
         om = outs < N
         ym = mm[:, None] & om[None, :]
         d = tl.zeros((BM, BN), tl.float32)
         if r > 0:
-            v = tl.load(V + toks[:, None] * R + ks[None, :], mask=mm[:, None] & live[None, :], other=0.0)
+            v = tl.load(V + (pj * NT + toks[:, None]) * R + ks[None, :], mask=mm[:, None] & live[None, :], other=0.0)
             bt = tl.load(W + bo + ks[:, None] * N + outs[None, :], mask=live[:, None] & om[None, :], other=0.0)
             d = tl.dot(v, bt)
-        _store(Y, B, Y + toks[:, None] * sy + outs[None, :], d, outs[None, :], om[None, :], ym, r, sc, ADD, HAS_B)
+        col = pj * N
+        _store(Y, B + col, Y + toks[:, None] * sy + col + outs[None, :], d, outs[None, :], om[None, :], ym, r, sc,
+               ADD, HAS_B)
 
 
 class _Stack(NamedTuple):
@@ -250,10 +264,11 @@ class _Stack(NamedTuple):
 NO_STACK = _Stack(1, (0, 0), (0, 0), (0, 0), (0, 0))
 
 
-def _stack(packs: Sequence[LoraPack], outs: Sequence[int]) -> _Stack | None:
-    """The packs as one stack, where STACKED and they can go together: two or three of equal
-    widths, fan-in and largest rank over one buffer, each table a view of the first's storage."""
-    if not STACKED or not 2 <= len(packs) <= 3 or len(set(outs)) != 1:
+def _stack(packs: Sequence[LoraPack], outs: Sequence[int], tiles: bool) -> _Stack | None:
+    """The packs as one stack, where STACKED (TILES_STACKED for tiles) and they can go together:
+    two or three of equal widths, fan-in and largest rank over one buffer, each table a view of
+    the first's storage."""
+    if not (TILES_STACKED if tiles else STACKED) or not 2 <= len(packs) <= 3 or len(set(outs)) != 1:
         return None
     p0 = packs[0]
     if any(p.buf.data_ptr() != p0.buf.data_ptr() or (p.fan_in, p.max_rank) != (p0.fan_in, p0.max_rank)
@@ -283,16 +298,17 @@ def lora_shrink(xf: torch.Tensor, ids: torch.Tensor, p: LoraPack, per_row: int, 
     partial sums (tokens, splits, lanes) for token-by-token rows ((projections, tokens, splits,
     lanes) for a stack led by p), (tokens, lanes) in the compute dtype for tiles."""
     tokens, K = xf.shape
+    n = stack.count
     if tiles:
         R = max(16, triton.next_power_of_2(max(p.max_rank, 1)))  # tl.dot takes 16 at least
-        v = torch.empty(tokens, R, dtype=p.buf.dtype, device=xf.device)
+        v = torch.empty(*((n,) if n > 1 else ()), tokens, R, dtype=p.buf.dtype, device=xf.device)
         bm, bk = _prefill_tile(R)
-        _tile_shrink[(tokens // per_row, triton.cdiv(per_row, bm))](
-            xf, ids, p.buf, p.a_off, p.rank, p.scale, v, per_row, K, xf.stride(0),
-            R=R, BM=bm, BK=bk, num_warps=PREFILL["warps"])
+        tiles_per_row = triton.cdiv(per_row, bm)
+        _tile_shrink[(n * tiles_per_row * (tokens // per_row),)](
+            xf, ids, p.buf, p.a_off, p.rank, p.scale, v, per_row, K, xf.stride(0), tokens, tiles_per_row, n,
+            *stack.a, *stack.rank, R=R, BM=bm, BK=bk, num_warps=PREFILL["warps"])
         return v
     t = _decode_tiling(tokens, K, p.max_rank)
-    n = stack.count
     v = torch.empty(*((n,) if n > 1 else ()), tokens, t.splits, t.rp, dtype=torch.float32, device=xf.device)
     _tok_shrink[(tokens, t.rp // t.lg, t.splits * n)](xf, ids, p.buf, p.a_off, p.rank, p.scale, v, per_row, K,
                                                        xf.stride(0), t.splits, t.rp, t.lg, t.ks, tokens, *stack.a,
@@ -307,19 +323,20 @@ def lora_expand(v: torch.Tensor, yf: torch.Tensor, ids: torch.Tensor, p: LoraPac
     each projection onto its own equal share of y's columns."""
     tokens, N = yf.shape
     b = bias if bias is not None else yf
-    if v.dim() == 2:
+    n = stack.count
+    N //= n
+    if v.dim() - (n > 1) == 2:  # tiles: (tokens, lanes), led by projections for a stack
         c = PREFILL
-        R = v.shape[1]
+        R = v.shape[-1]
         bm = _prefill_tile(R)[0]
-        _tile_expand[(tokens // per_row, triton.cdiv(per_row, bm), triton.cdiv(N, c["bn"]))](
-            yf, b, ids, p.buf, p.b_off, p.rank, p.scale, v, per_row, N, yf.stride(0), R=R, BM=bm, BN=c["bn"],
-            ADD=add, HAS_B=bias is not None, num_warps=c["warps"])
+        nb = triton.cdiv(N, c["bn"])
+        _tile_expand[(tokens // per_row, triton.cdiv(per_row, bm), n * nb)](
+            yf, b, ids, p.buf, p.b_off, p.rank, p.scale, v, per_row, N, yf.stride(0), tokens, nb, *stack.b,
+            *stack.rank, *stack.scale, R=R, BM=bm, BN=c["bn"], ADD=add, HAS_B=bias is not None, num_warps=c["warps"])
         return yf
     c = DECODE
     split, rp = v.shape[-2], v.shape[-1]
-    rc = _lane_step(tokens)[1]
-    n = stack.count
-    N //= n
+    rc = c["erc"] or _lane_step(tokens)[1]
     _tok_expand[(tokens, triton.cdiv(N, c["bn"]), n)](yf, b, ids, p.buf, p.b_off, p.rank, p.scale, v, per_row, N,
                                                       yf.stride(0), split, rp, tokens, *stack.b, *stack.rank,
                                                       *stack.scale, SP=triton.next_power_of_2(split), BN=c["bn"],
@@ -390,19 +407,20 @@ def lora_linears(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, outs:
     the kernels (where `_kernels` says, or `kernels` forces them): decode rows on a CUDA device
     with SIDE_STREAM compute the deltas on a stream of their own while the base matmul runs
     (neither fills the GPU's memory bandwidth alone at decode sizes) and add them after; other
-    rows with WRITE_FIRST have the expands write scale * v @ B.T + b into each projection's
-    columns and the base matmul add itself onto them (cuBLAS reads them in its epilogue), so y
-    is read and written once less than by a matmul and then in-place deltas; without
-    WRITE_FIRST the deltas are added after."""
+    rows have the deltas added after the matmul, or with WRITE_FIRST have the expands write
+    scale * v @ B.T + b into each projection's columns and the base matmul add itself onto them
+    (cuBLAS reads them in its epilogue: y is read and written once less, but on the H100 and
+    H200 cuBLAS's matmul onto an output is slower at MLP shapes than that read,
+    `benchmarks/lora.py --parts kernel`)."""
     if not (kernels if kernels is not None else _kernels(x)):
         return [lora_delta_ref(x, y, ids, p, host_ids) for y, p in zip(F.linear(x, w, b).split(list(outs), -1), packs)]
     xf, ids32, per_row, tiles = _flat(x, ids, None)
 
-    stack = None if tiles else _stack(packs, outs)
+    stack = _stack(packs, outs, tiles)
 
     def deltas(y: torch.Tensor, add: bool, bias: torch.Tensor | None) -> None:
-        if stack is not None:  # decode rows: one launch of each pass for every projection
-            v = lora_shrink(xf, ids32, packs[0], per_row, False, stack)
+        if stack is not None:  # one launch of each pass for every projection
+            v = lora_shrink(xf, ids32, packs[0], per_row, tiles, stack)
             lora_expand(v, y, ids32, packs[0], per_row, add, bias, stack)
             return
         c0 = 0

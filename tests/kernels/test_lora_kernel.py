@@ -102,8 +102,10 @@ def test_stacked_projections_with_deltas_equal_matmul_plus_reference(n, s, ranks
 
 @pytest.mark.parametrize("tiling", [{"lane_k": 128, "bk": 64}, {"lane_k": 64, "bk": 64, "rc": 32, "bn": 32},
                                     {"lanes_from": 1, "lane_k": 256, "bk": 128, "rc": 16},
-                                    {"lanes_from": 64, "split_k": 128, "split_bk": 64, "split_rc": 8}],
-                         ids=["lane-splits", "lane-splits-wide", "lanes-for-few", "splits"])
+                                    {"lanes_from": 64, "split_k": 128, "split_bk": 64, "split_rc": 8},
+                                    {"erc": 32, "bn": 64}, {"lanes_from": 64, "erc": 16}],
+                         ids=["lane-splits", "lane-splits-wide", "lanes-for-few", "splits", "wide-expand",
+                              "splits-expand-16"])
 def test_decode_tilings_equal_reference(tiling, monkeypatch):
     """Every decode tiling the benchmark may pick (rank lanes over splits of the input, wide
     lane steps, splits for a few tokens) gives the reference's deltas; a split that is not a
@@ -153,28 +155,31 @@ def pooled(ranks: list[list[int]], fin: int, fout: int, rows: list[int], seed: i
 
 @pytest.mark.parametrize("rows,n", [([2, 0, 3], 6), ([0, 1], 20), ([4, 1, 2], 20)])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("side", [False, True] if DEV == "cuda" else [False],  # the side stream is CUDA's only
-                         ids=lambda side: "side-stream" if side else "in-order")
-def test_stacked_decode_deltas_in_one_launch_equal_the_reference(rows, n, bias, side, monkeypatch):
-    """Decode rows of stacked projections whose packs come from the pool's shared tables go
-    through one launch of each pass (tables found `rows` apart, before or after the first),
-    with the reference's deltas per projection, written first or added after; packs that do
-    not share storage, or of unequal widths, go one projection at a time."""
+@pytest.mark.parametrize("tokens,side", [(1, False), (18, False)] + ([(1, True)] if DEV == "cuda" else []),
+                         ids=lambda v: {1: "decode", 18: "tiles", True: "side-stream", False: "in-order"}[v])
+def test_stacked_deltas_in_one_launch_equal_the_reference(rows, n, bias, tokens, side, monkeypatch):
+    """Rows of stacked projections whose packs come from the pool's shared tables, decode rows
+    (one token) and tiles (many), go through one launch of each pass (tables found `rows`
+    apart, before or after the first), with the reference's deltas per projection, written
+    first or added after; packs that do not share storage, or of unequal widths, go one
+    projection at a time."""
     fin, fout = 70, 48
     ranks = [[8, 3, 0, 16][:len(rows) + 1], [5, 16, 2, 1][:len(rows) + 1], [1, 7, 4, 9][:len(rows) + 1]][:len(rows)]
     packs = pooled(ranks, fin, fout, rows, n)
     outs = [fout] * len(rows)
-    assert L._stack(packs, outs) is not None
-    assert L._stack(packs, outs[:-1] + [fout - 1]) is None  # unequal widths
+    tiles = tokens > 1
+    assert L._stack(packs, outs, tiles) is not None
+    assert L._stack(packs, outs[:-1] + [fout - 1], tiles) is None  # unequal widths
     alone = [pooled([r], fin, fout, [0], n + k)[0] for k, r in enumerate(ranks)]  # tables of their own
-    assert L._stack(alone, outs) is None
-    assert L._stack([packs[0], replace(packs[1], max_rank=packs[1].max_rank + 1), *packs[2:]], outs) is None
+    assert L._stack(alone, outs, tiles) is None
+    assert L._stack([packs[0], replace(packs[1], max_rank=packs[1].max_rank + 1), *packs[2:]], outs, tiles) is None
     ids = torch.tensor(([0, -1, 1, len(rows), 2] * 4)[:n], dtype=torch.int32, device=DEV) % (len(rows) + 1)
     ids[1] = -1
-    x = torch.randn(n, 1, fin, device=DEV)
+    x = torch.randn(n, tokens, fin, device=DEV)
     w = torch.randn(sum(outs), fin, device=DEV)
     b = torch.randn(sum(outs), device=DEV) if bias else None
     want = [L.lora_delta_ref(x, y, ids, p) for y, p in zip(F.linear(x, w, b).split(outs, -1), packs)]
+    tol = 1e-4 if DEV == "cpu" or not tiles else 2e-3  # TF32 in tl.dot on a GPU
     monkeypatch.setattr(L, "SIDE_STREAM", side)
     launches = []
     real = L.lora_shrink
@@ -183,13 +188,13 @@ def test_stacked_decode_deltas_in_one_launch_equal_the_reference(rows, n, bias, 
         monkeypatch.setattr(L, "WRITE_FIRST", first)
         got = L.lora_linears(x, w, b, outs, ids, packs, kernels=True)
         for g, r in zip(got, want):
-            assert (g - r).abs().max() <= 1e-4 * r.abs().max()
+            assert (g - r).abs().max() <= tol * r.abs().max()
     assert len(launches) == 2  # one shrink for every projection, each time
-    monkeypatch.setattr(L, "STACKED", False)
+    monkeypatch.setattr(L, "TILES_STACKED" if tiles else "STACKED", False)
     got = L.lora_linears(x, w, b, outs, ids, packs, kernels=True)
     assert len(launches) == 2 + len(rows)
     for g, r in zip(got, want):
-        assert (g - r).abs().max() <= 1e-4 * r.abs().max()
+        assert (g - r).abs().max() <= tol * r.abs().max()
 
 
 SM90_COMPILE = """
@@ -205,6 +210,11 @@ kernels = [
     (L._tok_expand, dict(Y=p16, B=p16, **common, BOFF="*i64", N=i32, sy=i32, SPLIT=i32, RP=i32, NT=i32,
                          SB1=i64, SB2=i64, SR1=i64, SR2=i64, SS1=i64, SS2=i64),
      dict(SP=1, BN=256, RC=8, ADD=False, HAS_B=True)),
+    (L._tile_shrink, dict(X=p16, **{**common, "V": p16}, AOFF="*i64", K=i32, sx=i32, NT=i32, TILES=i32, NP=i32,
+                          SA1=i64, SA2=i64, SR1=i64, SR2=i64), dict(R=64, BM=128, BK=64)),
+    (L._tile_expand, dict(Y=p16, B=p16, **{**common, "V": p16}, BOFF="*i64", N=i32, sy=i32, NT=i32, NB=i32,
+                          SB1=i64, SB2=i64, SR1=i64, SR2=i64, SS1=i64, SS2=i64),
+     dict(R=64, BM=128, BN=128, ADD=True, HAS_B=False)),
 ]
 for fn, sig, ce in kernels:
     order = list(fn.arg_names)
@@ -214,8 +224,8 @@ for fn, sig, ce in kernels:
 """
 
 
-def test_decode_kernels_compile_for_the_gpu():
-    """The decode passes, stacked projections' shifts included, compile for sm_90 (no GPU
+def test_kernels_compile_for_the_gpu():
+    """The decode and prefill passes, stacked projections' shifts included, compile for sm_90 (no GPU
     needed): the interpreter accepts code the GPU compiler may refuse."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", SM90_COMPILE], env=env, capture_output=True, text=True, timeout=300)
