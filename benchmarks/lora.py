@@ -67,6 +67,27 @@ def timed(llm: Any, prompts: list[dict], gen_len: int, adapters: Sequence[str | 
     return out[0], out[1]
 
 
+def profiled(label: str, fn: Any, top: int = 25) -> list[dict[str, Any]]:
+    """fn() under torch's profiler: its kernels by GPU time (printed, and returned as records)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        gpu = getattr(e, "self_device_time_total", None)
+        gpu = gpu if gpu is not None else getattr(e, "self_cuda_time_total", 0)
+        if gpu > 0:
+            rows.append({"profile": label, "kernel": e.key[:90], "calls": e.count, "gpu_ms": gpu / 1e3})
+    rows.sort(key=lambda r: -r["gpu_ms"])
+    total = sum(r["gpu_ms"] for r in rows)
+    print(f"  profile {label}: {total:.1f} ms of GPU time", file=sys.stderr)
+    for r in rows[:top]:
+        print(f"    {r['gpu_ms']:9.2f} ms {r['calls']:6d}x {r['kernel']}", file=sys.stderr, flush=True)
+    return [{**r, "gpu_ms_total": total} for r in rows[:top]]
+
+
 def record(system: str, variant: str, rows: int, gen_len: int, one: float, full: float, **extra: Any) -> dict:
     return {"system": system, "variant": variant, "batch": rows, "total_s": full,
             "decode_step_ms": 1e3 * (full - one) / (gen_len - 1), "generation_throughput": rows * gen_len / full,
@@ -130,6 +151,8 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
         m.generate(prompts[:args.warmup_prompts], max_new_tokens=args.gen_len, policy=without)
         out = [record("flexoff", "no-lora", rows, args.gen_len, *timed(m, prompts, args.gen_len, None, policy=without),
                       policy=m.last_policy.describe())]
+        if args.profile:  # the prefill (a one-token run)
+            out[0]["profile"] = profiled("no-lora prefill", lambda: m.generate(prompts, max_new_tokens=1, policy=without))
     gc.collect()
     torch.cuda.empty_cache()  # the first engine's memory back to the device, for the second's budget
     with llm() as m:
@@ -153,6 +176,8 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
             pool, first = m.adapter_pool(), set(sorted(names)[:m.last_policy.block_size])
             before = lambda: pool.drop_host_cache(first)  # noqa: E731
         runs = [("warm", timed(m, prompts, args.gen_len, names, before, policy=with_lora))]
+        prof = profiled("lora prefill", lambda: m.generate(prompts, max_new_tokens=1, adapters=names,
+                                                           policy=with_lora)) if args.profile else None
         if not args.skip_cold:  # every adapter copied again
             runs.append(("cold", timed(m, prompts, args.gen_len, names, m.adapter_pool().drop_cache, policy=with_lora)))
         extra = {"adapters": args.adapters, "used_adapters": len(used), "mean_rank": mean_rank, "deltas": args.deltas,
@@ -160,7 +185,8 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
                  "stacked_prefill": args.stacked_prefill, "write_first": L.WRITE_FIRST,
                  "policy": m.last_policy.describe(), "auto": auto, "setup_adapters_s": made, "job_prompts": job,
                  "adapters_from": "files" if args.adapter_dir else "memory",
-                 "adapter_host_bytes": m.adapter_host_bytes(m.engine.adapter_need)}  # what the plan counts
+                 "adapter_host_bytes": m.adapter_host_bytes(m.engine.adapter_need),  # what the plan counts
+                 **({"profile": prof} if prof else {})}
     for v, (one, full) in runs:
         r = record("flexoff", f"lora-{v}", rows, args.gen_len, one, full, **extra)
         r["vs_no_lora"] = r["generation_throughput"] / out[0]["generation_throughput"]
@@ -334,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
                     help='kernel part: JSON list of decode tilings to compare (default: %s)' % json.dumps(CONFIGS["decode"]))
     ap.add_argument("--decode-tiling", default="{}",
                     help='population: JSON over the LoRA kernels\' DECODE tiling, e.g. \'{"lane_k": 2048}\'')
+    ap.add_argument("--profile", action="store_true",
+                    help="population: after the timed runs, each engine's prefill under torch's profiler, its kernels "
+                         "by GPU time")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out/lora.jsonl"))
     args = ap.parse_args(argv)
