@@ -151,8 +151,6 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
         m.generate(prompts[:args.warmup_prompts], max_new_tokens=args.gen_len, policy=without)
         out = [record("flexoff", "no-lora", rows, args.gen_len, *timed(m, prompts, args.gen_len, None, policy=without),
                       policy=m.last_policy.describe())]
-        if args.profile:  # the prefill (a one-token run)
-            out[0]["profile"] = profiled("no-lora prefill", lambda: m.generate(prompts, max_new_tokens=1, policy=without))
     gc.collect()
     torch.cuda.empty_cache()  # the first engine's memory back to the device, for the second's budget
     with llm() as m:
@@ -361,8 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-tiling", default="{}",
                     help='population: JSON over the LoRA kernels\' DECODE tiling, e.g. \'{"lane_k": 2048}\'')
     ap.add_argument("--profile", action="store_true",
-                    help="population: after the timed runs, each engine's prefill under torch's profiler, its kernels "
-                         "by GPU time")
+                    help="population: after the timed runs, the LoRA engine's prefill under torch's profiler, its "
+                         "kernels by GPU time")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out/lora.jsonl"))
     args = ap.parse_args(argv)
