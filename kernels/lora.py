@@ -108,7 +108,7 @@ def lora_delta(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: LoraPack,
 DECODE = {"lanes_from": 16, "lane_k": 0, "split_k": 256, "bk": 512, "split_bk": 256, "rc": 8, "split_rc": 32,
           "erc": 0, "bn": 256, "warps": 4}
 PREFILL = {"bm": 128, "bk": 64, "bn": 128, "warps": 8}
-WRITE_FIRST = False  # lora_linears, tiles: the deltas written first and the base matmul added onto them
+WRITE_FIRST = True  # lora_linears, tiles: the deltas written first and the base matmul added onto them
 SIDE_STREAM = True  # lora_linears, decode rows on CUDA: deltas beside the base matmul on a stream of their own
 STACKED = True  # lora_linears, decode rows: stacked projections' deltas in one launch of each pass (`_stack`)
 TILES_STACKED = True  # the same for tiles (prefill), whose shrink then reads each tile of x once for all
@@ -208,8 +208,10 @@ if HAVE_TRITON:
         """Prefill pass one: program (projection pj of NP, tile of tokens, row) writes x @ A.T
         for the tile to V[pj] (in the compute dtype, as a matmul's output; R lanes per token,
         those past the rank never written), reading each input once. Projections vary fastest,
-        so stacked projections' programs for one tile run side by side and read its x once from
-        memory (the others find it in L2)."""
+        then tiles: stacked projections' programs for one tile run side by side and read its x
+        once from memory, a row's tiles read its adapter's A once (the others find them in L2;
+        tiles ordered by row before, the shrink ran at 0.57 of the H100's copy bandwidth, 0.82
+        so ordered)."""
         pid = tl.program_id(0).to(tl.int64)
         pj, t = pid % NP, pid // NP
         r, _, ao, toks, mm, ks, live = _tile(IDS, RANK + _shift(pj, SR1, SR2), SCALE, AOFF + _shift(pj, SA1, SA2),
@@ -407,11 +409,11 @@ def lora_linears(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, outs:
     the kernels (where `_kernels` says, or `kernels` forces them): decode rows on a CUDA device
     with SIDE_STREAM compute the deltas on a stream of their own while the base matmul runs
     (neither fills the GPU's memory bandwidth alone at decode sizes) and add them after; other
-    rows have the deltas added after the matmul, or with WRITE_FIRST have the expands write
-    scale * v @ B.T + b into each projection's columns and the base matmul add itself onto them
-    (cuBLAS reads them in its epilogue: y is read and written once less, but on the H100 and
-    H200 cuBLAS's matmul onto an output is slower at MLP shapes than that read,
-    `benchmarks/lora.py --parts kernel`)."""
+    rows with WRITE_FIRST (the default) have the expands write scale * v @ B.T + b into each
+    projection's columns and the base matmul add itself onto them (cuBLAS reads them in its
+    epilogue, so y is read and written once less), else have the deltas added after the
+    matmul. Which way is faster at a shape changed from one H100 run to the next
+    (`benchmarks/lora.py --parts kernel`); the 1000-adapter population ran the same either way."""
     if not (kernels if kernels is not None else _kernels(x)):
         return [lora_delta_ref(x, y, ids, p, host_ids) for y, p in zip(F.linear(x, w, b).split(list(outs), -1), packs)]
     xf, ids32, per_row, tiles = _flat(x, ids, None)

@@ -231,6 +231,35 @@ def test_a_closed_engine_still_referenced_holds_no_buffers():
 def _allocated_gpu(plan) -> int:
     return sum(plan.parts[w]["gpu"] for w in ("weights", "kv cache", "buffers"))
 
+def test_gpu_memory_available_counts_the_allocators_unused_blocks(monkeypatch):
+    """What a new engine's plan may use on the GPU: the device's free memory and the blocks the
+    CUDA allocator holds for this process unused (a closed engine's, not yet given back)."""
+    from flexoff.offload.memory import available
+
+    GiB = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * GiB, 80 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 30 * GiB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 12 * GiB)
+    assert available(torch.device("cuda", 0), None)["gpu"] == 58 * GiB
+
+
+def test_a_new_engine_is_checked_after_the_old_one_gave_its_memory_back(monkeypatch):
+    """An LLM replacing its engine (another policy, a larger job) closes the old one and
+    empties the allocator's cache before the new plan is checked against what is free."""
+    import flexoff.offload.engine as engine_mod
+
+    events = []
+    real_check = engine_mod.check
+    monkeypatch.setattr(engine_mod, "check", lambda *a, **k: events.append("check") or real_check(*a, **k))
+    with LLM("dummy:llama-tiny") as llm:
+        real_drop = llm.drop_engine
+        monkeypatch.setattr(llm, "drop_engine", lambda: events.append(("drop", llm.engine is not None)) or real_drop())
+        for p in (Policy(gpu_batch_size=2), Policy(gpu_batch_size=4)):
+            llm.policy_arg = p
+            llm.generate([{"prompt_ids": q} for q in PROMPTS[:4]], max_new_tokens=2)
+    assert events[-2:] == [("drop", True), "check"]
+
+
 
 @pytest.mark.parametrize("compressed_first", [True, False])
 def test_switching_policies_never_holds_both_engines_weight_slots(compressed_first):
