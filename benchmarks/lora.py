@@ -69,6 +69,7 @@ def timed(llm: Any, prompts: list[dict], gen_len: int, adapters: Sequence[str | 
 
 def profiled(label: str, fn: Any, top: int = 25) -> list[dict[str, Any]]:
     """fn() under torch's profiler: its kernels by GPU time (printed, and returned as records)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -76,10 +77,9 @@ def profiled(label: str, fn: Any, top: int = 25) -> list[dict[str, Any]]:
         torch.cuda.synchronize()
     rows = []
     for e in prof.key_averages():
-        gpu = getattr(e, "self_device_time_total", None)
-        gpu = gpu if gpu is not None else getattr(e, "self_cuda_time_total", 0)
-        if gpu > 0:
-            rows.append({"profile": label, "kernel": e.key[:90], "calls": e.count, "gpu_ms": gpu / 1e3})
+        if e.device_type != DeviceType.CUDA:  # kernels and copies only: the ops and launches carry their time too
+            continue
+        rows.append({"profile": label, "kernel": e.key[:90], "calls": e.count, "gpu_ms": e.self_device_time_total / 1e3})
     rows.sort(key=lambda r: -r["gpu_ms"])
     total = sum(r["gpu_ms"] for r in rows)
     print(f"  profile {label}: {total:.1f} ms of GPU time", file=sys.stderr)
@@ -151,6 +151,8 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
         m.generate(prompts[:args.warmup_prompts], max_new_tokens=args.gen_len, policy=without)
         out = [record("flexoff", "no-lora", rows, args.gen_len, *timed(m, prompts, args.gen_len, None, policy=without),
                       policy=m.last_policy.describe())]
+        if args.profile:  # its prefill (a one-token run), to set beside the LoRA engine's
+            out[0]["profile"] = profiled("no-lora prefill", lambda: m.generate(prompts, max_new_tokens=1, policy=without))
     gc.collect()
     torch.cuda.empty_cache()  # the first engine's memory back to the device, for the second's budget
     with llm() as m:
@@ -359,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-tiling", default="{}",
                     help='population: JSON over the LoRA kernels\' DECODE tiling, e.g. \'{"lane_k": 2048}\'')
     ap.add_argument("--profile", action="store_true",
-                    help="population: after the timed runs, the LoRA engine's prefill under torch's profiler, its "
+                    help="population: after the timed runs, each engine's prefill under torch's profiler, its "
                          "kernels by GPU time")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out/lora.jsonl"))
