@@ -77,9 +77,10 @@ def profiled(label: str, fn: Any, top: int = 25) -> list[dict[str, Any]]:
         torch.cuda.synchronize()
     rows = []
     for e in prof.key_averages():
-        if e.device_type != DeviceType.CUDA:  # kernels and copies only: the ops and launches carry their time too
+        if e.device_type != DeviceType.CUDA:  # kernels and copies only: ops and launches carry their time too
             continue
-        rows.append({"profile": label, "kernel": e.key[:90], "calls": e.count, "gpu_ms": e.self_device_time_total / 1e3})
+        rows.append({"profile": label, "kernel": e.key[:90], "calls": e.count,
+                     "gpu_ms": e.self_device_time_total / 1e3})
     rows.sort(key=lambda r: -r["gpu_ms"])
     total = sum(r["gpu_ms"] for r in rows)
     print(f"  profile {label}: {total:.1f} ms of GPU time", file=sys.stderr)
@@ -152,7 +153,8 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
         out = [record("flexoff", "no-lora", rows, args.gen_len, *timed(m, prompts, args.gen_len, None, policy=without),
                       policy=m.last_policy.describe())]
         if args.profile:  # its prefill (a one-token run), to set beside the LoRA engine's
-            out[0]["profile"] = profiled("no-lora prefill", lambda: m.generate(prompts, max_new_tokens=1, policy=without))
+            out[0]["profile"] = profiled("no-lora prefill",
+                                         lambda: m.generate(prompts, max_new_tokens=1, policy=without))
     gc.collect()
     torch.cuda.empty_cache()  # the first engine's memory back to the device, for the second's budget
     with llm() as m:
@@ -180,9 +182,10 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
                                                            policy=with_lora)) if args.profile else None
         if not args.skip_cold:  # every adapter copied again
             runs.append(("cold", timed(m, prompts, args.gen_len, names, m.adapter_pool().drop_cache, policy=with_lora)))
-        extra = {"adapters": args.adapters, "used_adapters": len(used), "mean_rank": mean_rank, "deltas": args.deltas,
+        extra = {"adapters": args.adapters, "used_adapters": len(used), "mean_rank": mean_rank,
+                 "deltas": "first" if L.WRITE_FIRST else "after",
                  "decode_tiling": args.decode_tiling, "side_stream": args.side_stream, "stacked": args.stacked,
-                 "stacked_prefill": args.stacked_prefill, "write_first": L.WRITE_FIRST,
+                 "stacked_prefill": args.stacked_prefill,
                  "policy": m.last_policy.describe(), "auto": auto, "setup_adapters_s": made, "job_prompts": job,
                  "adapters_from": "files" if args.adapter_dir else "memory",
                  "adapter_host_bytes": m.adapter_host_bytes(m.engine.adapter_need),  # what the plan counts
@@ -357,7 +360,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stacked-prefill", choices=("on", "off"), default="on",
                     help="population: the same for prefill tiles (the shrink reads x once for all)")
     ap.add_argument("--decode-configs", default=None,
-                    help='kernel part: JSON list of decode tilings to compare (default: %s)' % json.dumps(CONFIGS["decode"]))
+                    help="kernel part: JSON list of decode tilings to compare (default: %s)"
+                         % json.dumps(CONFIGS["decode"]))
     ap.add_argument("--decode-tiling", default="{}",
                     help='population: JSON over the LoRA kernels\' DECODE tiling, e.g. \'{"lane_k": 2048}\'')
     ap.add_argument("--profile", action="store_true",

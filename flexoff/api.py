@@ -391,7 +391,8 @@ class LLM:
         if e is not None and e.policy == policy and e.max_prompt >= max_prompt and e.max_gen >= max_gen \
                 and trains and room and all(a >= b for a, b in zip(astuple(e.adapter_need), astuple(need))):
             return e
-        self.drop_engine()  # its memory back to the device before the new engine's plan is checked
+        if e is not None:  # its memory back to the device before the new engine's plan is checked
+            self.drop_engine()
         if self._gpu_cap is not None and not self._capped:  # the allocator itself refuses more
             total = torch.cuda.get_device_properties(self.device).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, self._gpu_cap / total), self.device.index)
@@ -425,9 +426,9 @@ class LLM:
 
     def drop_engine(self) -> None:
         """Close the engine (after a failed run, or for another), keeping the resident weights,
-        and give the CUDA allocator's cached blocks back (those of tensors a failed step's frames still held are
-        given back by a later call, once the frames are gone; until then they count against the
-        GPU budget, and a retry's peaks start from them)."""
+        and give the CUDA allocator's cached blocks back (those of tensors a failed step's
+        frames still held are given back by a later call, once the frames are gone; until then
+        they count against the GPU budget, and a retry's peaks start from them)."""
         if self.engine is not None:
             self.engine.close()
             self.engine = None

@@ -99,9 +99,10 @@ def plan_memory(spec: ModelSpec, layouts: list[Layout], kv_rec_bytes: int, polic
 def available(device: torch.device, offload_dir: str | None) -> dict[str, int]:
     """What the machine has for each tier now."""
     host = psutil.virtual_memory().available
-    # the device's free memory and the blocks this process's CUDA allocator holds unused
-    gpu = torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) \
-        if device.type == "cuda" else host
+    gpu = host
+    if device.type == "cuda":  # the device's free memory and the blocks this process's allocator holds unused
+        unused = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        gpu = torch.cuda.mem_get_info(device)[0] + unused
     where = Path(offload_dir or tempfile.gettempdir()).absolute()
     while not where.exists():  # the folder is created later; ask its nearest existing parent
         where = where.parent
