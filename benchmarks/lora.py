@@ -47,7 +47,7 @@ from flexoff.profiler import random_adapter  # noqa: E402
 
 RANKS = (8, 16, 32, 64)
 # tilings the kernel part compares (changes to kernels.lora.DECODE for rows of one token, PREFILL for tiles)
-CONFIGS = {"decode": [{}, {"lane_k": 2048}], "prefill": [{}], "fused": [{}]}  # fused: lora_matmul.FUSED
+CONFIGS = {"decode": [{}, {"lane_k": 2048}], "prefill": [{}]}
 SHAPES = ((4096, 4096), (4096, 11008), (11008, 4096))  # LLaMA-7B's attention, up and down projections
 
 
@@ -105,7 +105,6 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
     from flexoff.checkpoint import load_model
     from flexoff.finetune.run import linear_targets
     from flexoff.kernels import lora as L
-    from flexoff.kernels import lora_matmul as M
     from throughput import parse_policy
 
     if args.deltas is not None:
@@ -113,9 +112,6 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
     L.SIDE_STREAM = args.side_stream == "on"
     L.STACKED = args.stacked == "on"
     L.TILES_STACKED = args.stacked_prefill == "on"
-    if args.fused_prefill is not None:
-        L.FUSED_TILES = args.fused_prefill == "on"
-    M.FUSED.update(json.loads(args.fused_tiling))
     L.DECODE.update(json.loads(args.decode_tiling))
 
     g = torch.Generator().manual_seed(args.seed)
@@ -189,8 +185,7 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
         extra = {"adapters": args.adapters, "used_adapters": len(used), "mean_rank": mean_rank,
                  "deltas": "first" if L.WRITE_FIRST else "after",
                  "decode_tiling": args.decode_tiling, "side_stream": args.side_stream, "stacked": args.stacked,
-                 "stacked_prefill": args.stacked_prefill, "fused_prefill": L.FUSED_TILES,
-                 "fused_tiling": dict(M.FUSED) if L.FUSED_TILES else None,
+                 "stacked_prefill": args.stacked_prefill,
                  "policy": m.last_policy.describe(), "auto": auto, "setup_adapters_s": made, "job_prompts": job,
                  "adapters_from": "files" if args.adapter_dir else "memory",
                  "adapter_host_bytes": m.adapter_host_bytes(m.engine.adapter_need),  # what the plan counts
@@ -269,19 +264,13 @@ def kernel_part(args: argparse.Namespace, bw: float) -> list[dict[str, Any]]:
     of --prompt-len tokens), every row its own adapter, of one rank or of ranks drawn from
     RANKS: the in-place delta in each tiling of CONFIGS (bytes: the rows' adapters, x, and y read
     and written), its shrink alone, and what a projection costs: the base matmul alone, then
-    the in-place delta, the delta written first with the matmul added onto it, and at prefill
-    shapes the matmul with the deltas in its epilogue (one kernel) in each tiling of
-    CONFIGS["fused"], with the rows' adapters and with every row on the base (that kernel's
-    matmul against cuBLAS's)."""
+    the in-place delta, and the delta written first with the matmul added onto it."""
     from flexoff.kernels import lora as L
-    from flexoff.kernels import lora_matmul as M
     from flexoff.kernels.lora import LoraPack, lora_delta_triton, lora_linears, lora_shrink
 
     g = torch.Generator().manual_seed(args.seed)
-    configs = {**CONFIGS, **({"decode": json.loads(args.decode_configs)} if args.decode_configs else {}),
-               **({"fused": json.loads(args.fused_configs)} if args.fused_configs else {})}
-    out, saved = [], (dict(L.DECODE), dict(L.PREFILL), L.WRITE_FIRST, L.SIDE_STREAM, L.FUSED_TILES, dict(M.FUSED))
-    L.FUSED_TILES = False
+    configs = {**CONFIGS, "decode": json.loads(args.decode_configs)} if args.decode_configs else CONFIGS
+    out, saved = [], (dict(L.DECODE), dict(L.PREFILL), L.WRITE_FIRST, L.SIDE_STREAM)
     cases = [(int(n), 1, shape, rk) for n in str(args.rows).split(",") for shape in SHAPES
              for rk in ("16", "64", "mixed")]
     cases += [(args.prefill_rows, args.prompt_len, shape, "mixed") for shape in SHAPES]
@@ -326,23 +315,9 @@ def kernel_part(args: argparse.Namespace, bw: float) -> list[dict[str, Any]]:
             sec = gpu_seconds(lambda: lora_linears(x, w, None, [fout], ids, [pack], kernels=True), calls)
             out.append({**row(name, sec), "vs_base_matmul": sec / base})
         L.WRITE_FIRST, L.SIDE_STREAM = saved[2], saved[3]
-        for cfg in configs["fused"] if s > 1 else []:  # the matmul with the deltas in its epilogue, one kernel
-            M.FUSED.update({**saved[5], **cfg})
-            L.FUSED_TILES, tiling = True, ",".join(f"{k}={v}" for k, v in cfg.items()) or "default"
-            for name, who in (("fused", ids), ("fused, every row on the base", torch.full_like(ids, -1))):
-                try:
-                    sec = gpu_seconds(lambda: lora_linears(x, w, None, [fout], who, [pack], kernels=True), calls)
-                except Exception as e:  # a tiling past the GPU's shared memory or registers
-                    out.append({**row(f"{name} {tiling}", float("nan")), "error": f"{type(e).__name__}: {e}"[:300]})
-                    print(f"  {shape} {name} {tiling}: {type(e).__name__}", file=sys.stderr, flush=True)
-                    break
-                out.append({**row(f"{name} {tiling}", sec), "vs_base_matmul": sec / base})
-            L.FUSED_TILES = False
-        M.FUSED.update(saved[5])
         del buf, x, y, w
     L.DECODE.update(saved[0])
     L.PREFILL.update(saved[1])
-    L.FUSED_TILES = saved[4]
     return out
 
 
@@ -387,14 +362,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode-configs", default=None,
                     help="kernel part: JSON list of decode tilings to compare (default: %s)"
                          % json.dumps(CONFIGS["decode"]))
-    ap.add_argument("--fused-prefill", choices=("on", "off"), default=None,
-                    help="population: prefill tiles' base matmul with the deltas in its epilogue, one Triton kernel "
-                         "(default: the kernels' FUSED_TILES)")
-    ap.add_argument("--fused-tiling", default="{}",
-                    help="population: JSON over the fused prefill matmul's tiling (kernels.lora_matmul.FUSED)")
-    ap.add_argument("--fused-configs", default=None,
-                    help="kernel part: JSON list of fused prefill tilings to compare (default: %s)"
-                         % json.dumps(CONFIGS["fused"]))
     ap.add_argument("--decode-tiling", default="{}",
                     help='population: JSON over the LoRA kernels\' DECODE tiling, e.g. \'{"lane_k": 2048}\'')
     ap.add_argument("--profile", action="store_true",

@@ -112,7 +112,6 @@ WRITE_FIRST = True  # lora_linears, tiles: the deltas written first and the base
 SIDE_STREAM = True  # lora_linears, decode rows on CUDA: deltas beside the base matmul on a stream of their own
 STACKED = True  # lora_linears, decode rows: stacked projections' deltas in one launch of each pass (`_stack`)
 TILES_STACKED = True  # the same for tiles (prefill), whose shrink then reads each tile of x once for all
-FUSED_TILES = False  # lora_linears, tiles: the base matmul with the deltas in its epilogue (kernels.lora_matmul)
 
 
 if HAVE_TRITON:
@@ -442,8 +441,6 @@ def lora_linears(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, outs:
         y = F.linear(xf, w, b)
         main.wait_stream(side)
         y += d
-    elif tiles and FUSED_TILES and w.stride(-1) == 1 and w.dtype == x.dtype:
-        y = _fused(xf, w, b, outs, ids32, packs, per_row, stack)
     elif WRITE_FIRST:
         y = torch.empty(xf.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
         deltas(y, False, b)
@@ -452,24 +449,6 @@ def lora_linears(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, outs:
         y = F.linear(xf, w, b)
         deltas(y, True, None)
     return list(y.view(*x.shape[:-1], w.shape[0]).split(list(outs), -1))
-
-
-def _fused(xf: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, outs: Sequence[int], ids32: torch.Tensor,
-           packs: Sequence[LoraPack], per_row: int, stack: _Stack | None) -> torch.Tensor:
-    """Tiles: the shrink, then the base matmul with the deltas in its epilogue
-    (kernels.lora_matmul), one launch of each for a stack, else each projection in turn."""
-    from flexoff.kernels.lora_matmul import matmul_lora
-
-    y = torch.empty(xf.shape[0], w.shape[0], dtype=xf.dtype, device=xf.device)
-    if stack is not None:
-        return matmul_lora(xf, w, b, lora_shrink(xf, ids32, packs[0], per_row, True, stack), y, ids32, packs[0],
-                           per_row, stack)
-    c0 = 0
-    for n, p in zip(outs, packs):
-        matmul_lora(xf, w[c0:c0 + n], b[c0:c0 + n] if b is not None else None,
-                    lora_shrink(xf, ids32, p, per_row, True), y[:, c0:c0 + n], ids32, p, per_row)
-        c0 += n
-    return y
 
 
 _SIDE: dict[int, "torch.cuda.Stream"] = {}

@@ -202,7 +202,6 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import flexoff.kernels.lora as L
-import flexoff.kernels.lora_matmul as M
 p16, i32, i64 = "*fp16", "i32", "i64"
 common = dict(IDS="*i32", W=p16, RANK="*i32", SCALE="*fp32", V="*fp32", per_row=i32)
 kernels = [
@@ -216,10 +215,6 @@ kernels = [
     (L._tile_expand, dict(Y=p16, B=p16, **{**common, "V": p16}, BOFF="*i64", N=i32, sy=i32, NT=i32, NB=i32,
                           SB1=i64, SB2=i64, SR1=i64, SR2=i64, SS1=i64, SS2=i64),
      dict(R=64, BM=128, BN=128, ADD=True, HAS_B=False)),
-    (M._matmul_lora, dict(X=p16, W=p16, BIAS=p16, Y=p16, IDS="*i32", BUF=p16, BOFF="*i64", RANK="*i32",
-                          SCALE="*fp32", V=p16, T=i32, K=i32, N=i32, NB=i32, NP=i32, per_row=i32, sx=i32, sw=i32,
-                          sy=i32, SB1=i64, SB2=i64, SR1=i64, SR2=i64, SS1=i64, SS2=i64),
-     dict(R=64, BM=128, BN=256, BK=64, GROUP=8, EVEN_K=True, HAS_B=True)),
 ]
 for fn, sig, ce in kernels:
     order = list(fn.arg_names)
@@ -235,51 +230,3 @@ def test_kernels_compile_for_the_gpu():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", SM90_COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
-
-
-@pytest.mark.parametrize("n,s,fin,ranks,ids", [
-    (3, 20, 45, [4, 32, 0], [1, 2, 0]),  # tiles of tokens straddling rows, a rank-0 adapter
-    (4, 7, 64, [5, 9], [0, -1, 1, 0]),  # rows shorter than a tile; inputs a whole number of steps
-    (2, 40, 130, [64, 100], [1, 0]),  # two tiles per row, R = 128, every row adapted
-])
-@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "apart"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("tile", [{"bm": 16, "bn": 32, "bk": 16, "group": 2}, {}], ids=["small-tiles", "default"])
-def test_fused_matmul_with_deltas_equals_float64(n, s, fin, ranks, ids, stacked, dtype, tile, monkeypatch):
-    """Tiles with the base matmul and the deltas in one kernel (FUSED_TILES): each projection of
-    a stack (the pool's shared tables, one launch) or of packs apart, with a bias, equals
-    x @ w.T + b + each row's scale * (x @ A.T) @ B.T in float64; rows on the base model get
-    the plain projection."""
-    from flexoff.kernels import lora_matmul as M
-
-    monkeypatch.setattr(L, "FUSED_TILES", True)
-    monkeypatch.setattr(M, "FUSED", {**M.FUSED, **tile})
-    fout, k = 40, 3 if stacked else 2
-    table = [[ranks[i] for i in range(len(ranks))] for _ in range(k)]
-    table = [[max(r - j, 0) if r else 0 for r in rs] for j, rs in enumerate(table)]  # other ranks per projection
-    packs = pooled(table, fin, fout, list(range(k)), n + s) if stacked else \
-        [pooled([rs], fin, fout, [0], n + s + j)[0] for j, rs in enumerate(table)]
-    outs = [fout] * k
-    assert (L._stack(packs, outs, True) is not None) == stacked
-    g = torch.Generator().manual_seed(n * s)
-    x = torch.randn(n, s, fin, generator=g).to(dtype).to(DEV)
-    w = (torch.randn(k * fout, fin, generator=g) / fin ** 0.5).to(dtype).to(DEV)
-    b = torch.randn(k * fout, generator=g).to(dtype).to(DEV)
-    packs = [replace(p, buf=p.buf.to(dtype)) for p in packs] if not stacked else \
-        [replace(p, buf=packs[0].buf.to(dtype)) for p in packs]
-    idx = torch.tensor(ids, dtype=torch.int32, device=DEV)
-    got = L.lora_linears(x, w, b, outs, idx, packs, kernels=True)
-    plain = (x.double() @ w.double().t() + b.double()).split(outs, -1)
-    for j, (gj, pj, p) in enumerate(zip(got, plain, packs)):
-        want = pj.clone()
-        for r, a in enumerate(ids):
-            if a >= 0 and p.ranks[a]:
-                A, Bt = p.weights(a)
-                want[r] += p.scales[a] * (x[r].double() @ A.double().t()) @ Bt.double()
-        tol = (1e-5 if DEV == "cpu" else 2e-3) if dtype == torch.float32 else 1e-2
-        assert gj.dtype == dtype and gj.shape == (n, s, fout)
-        assert (gj.double() - want).abs().max() <= tol * want.abs().max(), j
-        base = [r for r, a in enumerate(ids) if a < 0 or p.ranks[a] == 0]
-        assert base or n == 2
-        if base:
-            assert (gj[base].double() - pj[base]).abs().max() <= tol * pj.abs().max()
