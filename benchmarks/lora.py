@@ -113,6 +113,7 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
     L.STACKED = args.stacked == "on"
     L.TILES_STACKED = args.stacked_prefill == "on"
     L.DECODE.update(json.loads(args.decode_tiling))
+    L.PREFILL.update(json.loads(args.prefill_tiling))
 
     g = torch.Generator().manual_seed(args.seed)
     auto = args.policy == "auto"
@@ -184,8 +185,8 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
             runs.append(("cold", timed(m, prompts, args.gen_len, names, m.adapter_pool().drop_cache, policy=with_lora)))
         extra = {"adapters": args.adapters, "used_adapters": len(used), "mean_rank": mean_rank,
                  "deltas": "first" if L.WRITE_FIRST else "after",
-                 "decode_tiling": args.decode_tiling, "side_stream": args.side_stream, "stacked": args.stacked,
-                 "stacked_prefill": args.stacked_prefill,
+                 "decode_tiling": args.decode_tiling, "prefill_tiling": args.prefill_tiling,
+                 "side_stream": args.side_stream, "stacked": args.stacked, "stacked_prefill": args.stacked_prefill,
                  "policy": m.last_policy.describe(), "auto": auto, "setup_adapters_s": made, "job_prompts": job,
                  "adapters_from": "files" if args.adapter_dir else "memory",
                  "adapter_host_bytes": m.adapter_host_bytes(m.engine.adapter_need),  # what the plan counts
@@ -266,10 +267,11 @@ def kernel_part(args: argparse.Namespace, bw: float) -> list[dict[str, Any]]:
     and written), its shrink alone, and what a projection costs: the base matmul alone, then
     the in-place delta, and the delta written first with the matmul added onto it."""
     from flexoff.kernels import lora as L
-    from flexoff.kernels.lora import LoraPack, lora_delta_triton, lora_linears, lora_shrink
+    from flexoff.kernels.lora import LoraPack, lora_delta_triton, lora_expand, lora_linears, lora_shrink
 
     g = torch.Generator().manual_seed(args.seed)
-    configs = {**CONFIGS, "decode": json.loads(args.decode_configs)} if args.decode_configs else CONFIGS
+    configs = {**CONFIGS, **({"decode": json.loads(args.decode_configs)} if args.decode_configs else {}),
+               **({"prefill": json.loads(args.prefill_configs)} if args.prefill_configs else {})}
     out, saved = [], (dict(L.DECODE), dict(L.PREFILL), L.WRITE_FIRST, L.SIDE_STREAM)
     cases = [(int(n), 1, shape, rk) for n in str(args.rows).split(",") for shape in SHAPES
              for rk in ("16", "64", "mixed")]
@@ -298,15 +300,24 @@ def kernel_part(args: argparse.Namespace, bw: float) -> list[dict[str, Any]]:
             return {"system": "kernel", "variant": f"{shape} {variant}", "batch": n, "tokens_per_row": s,
                     "us": 1e6 * sec, "GBps": moved / sec / 1e9, "of_copy_bandwidth": moved / sec / bw}
 
+        base = gpu_seconds(lambda: torch.nn.functional.linear(x, w), calls)
+        xf = x.view(-1, fin)
         for cfg in configs[kind]:
             table.update({**saved[s > 1], **cfg})
             tiles = ",".join(f"{k}={v}" for k, v in cfg.items()) or "default"
             out.append(row(tiles, gpu_seconds(lambda: lora_delta_triton(x, y, ids, pack), calls)))
+            if s > 1:  # the expand as the engine runs it, written first (bytes: y once), and under the matmul
+                v = lora_shrink(xf, ids, pack, s, True)
+                yf = y.view(-1, fout)
+                out.append(row(f"{tiles}, expand written first", gpu_seconds(
+                    lambda: lora_expand(v, yf, ids, pack, s, add=False), calls), y.numel() * 2))
+                L.WRITE_FIRST = True
+                sec = gpu_seconds(lambda: lora_linears(x, w, None, [fout], ids, [pack], kernels=True), calls)
+                out.append({**row(f"{tiles}, delta first, matmul onto it", sec), "vs_base_matmul": sec / base})
+                L.WRITE_FIRST = saved[2]
         table.update(saved[s > 1])
-        xf = x.view(-1, fin)
         out.append(row("shrink", gpu_seconds(lambda: lora_shrink(xf, ids, pack, s, s > 1), calls),
                        buf.numel() * fin // (fin + fout) * 2 + x.numel() * 2))
-        base = gpu_seconds(lambda: torch.nn.functional.linear(x, w), calls)
         out.append({**row("base matmul", base), "vs_base_matmul": 1.0})
         modes = [("matmul + delta", False, False), ("delta first, matmul onto it", True, False)]
         modes += [("delta beside on a stream of its own", True, True)] if s == 1 else []
@@ -356,12 +367,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--side-stream", choices=("on", "off"), default="on",
                     help="population: decode deltas on a stream of their own beside the base matmul, or not")
     ap.add_argument("--stacked", choices=("on", "off"), default="on",
-                    help="population: stacked projections' decode deltas (q, k, v; gate, up) in one launch, or one each")
+                    help="population: stacked projections' decode deltas (q, k, v; gate, up) in one launch, "
+                         "or one each")
     ap.add_argument("--stacked-prefill", choices=("on", "off"), default="on",
                     help="population: the same for prefill tiles (the shrink reads x once for all)")
     ap.add_argument("--decode-configs", default=None,
                     help="kernel part: JSON list of decode tilings to compare (default: %s)"
                          % json.dumps(CONFIGS["decode"]))
+    ap.add_argument("--prefill-configs", default=None,
+                    help="kernel part: JSON list of prefill tilings to compare (default: %s)"
+                         % json.dumps(CONFIGS["prefill"]))
+    ap.add_argument("--prefill-tiling", default="{}",
+                    help='population: JSON over the LoRA kernels\' PREFILL tiling, e.g. \'{"blocks": 4}\'')
     ap.add_argument("--decode-tiling", default="{}",
                     help='population: JSON over the LoRA kernels\' DECODE tiling, e.g. \'{"lane_k": 2048}\'')
     ap.add_argument("--profile", action="store_true",
@@ -387,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
             r.update(part=part, model=args.model if part == "population" else args.peft_model,
                      prompt_len=args.prompt_len, gen_len=args.gen_len, copy_GBps=bw / 1e9, **env)
         rows += got
-        cols = ["system", "variant", "batch", "us", "GBps", "of_copy_bandwidth", "vs_base_matmul"] if part == "kernel" else \
+        cols = ["system", "variant", "batch", "us", "GBps", "of_copy_bandwidth", "vs_base_matmul"] \
+            if part == "kernel" else \
             ["system", "variant", "batch", "decode_step_ms", "generation_throughput", "vs_no_lora", "vs_peft",
              "used_adapters", "mean_rank"]
         print(table(got, cols), flush=True)

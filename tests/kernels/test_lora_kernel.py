@@ -124,6 +124,31 @@ def test_decode_tilings_equal_reference(tiling, monkeypatch):
         L.lora_delta_triton(x, y.clone(), idx, p, tiles=False)
 
 
+
+@pytest.mark.parametrize("tiling", [{"bn": 16, "blocks": 3}, {"bn": 32, "blocks": 1, "ewarps": 4},
+                                    {"bm": 16, "bn": 16, "blocks": 8}],
+                         ids=["chunks-partial", "block-a-program", "small-tiles-one-chunk"])
+def test_prefill_tilings_equal_reference(tiling, monkeypatch):
+    """Every prefill tiling the benchmark may pick (several blocks of outputs per expand
+    program, a last chunk and block that are partial; one block a program; tiles of tokens
+    straddling a row's end) gives the reference's deltas, added in place and written first
+    under the base matmul with a bias."""
+    monkeypatch.setattr(L, "PREFILL", {**L.PREFILL, **tiling})
+    ranks, ids = [8, 16, 3, 64, 0], [0, 1, 2, -1, 3, 4]
+    p, _ = scattered(ranks, 90, 70, torch.float32, 6)
+    x = torch.randn(len(ids), 21, 90, device=DEV)
+    y = torch.randn(len(ids), 21, 70, device=DEV)
+    w, b = torch.randn(70, 90, device=DEV), torch.randn(70, device=DEV)
+    idx = torch.tensor(ids, dtype=torch.int32, device=DEV)
+    tol = 1e-4 if DEV == "cpu" else 2e-3
+    want = L.lora_delta_ref(x, y.clone(), idx, p)
+    got = L.lora_delta_triton(x, y.clone(), idx, p, tiles=True)
+    assert (got - want).abs().max() <= tol * want.abs().max()
+    monkeypatch.setattr(L, "WRITE_FIRST", True)
+    want = L.lora_delta_ref(x, F.linear(x, w, b), idx, p)
+    got = L.lora_linears(x, w, b, [70], idx, [p], kernels=True)[0]
+    assert (got - want).abs().max() <= tol * want.abs().max()
+
 def pooled(ranks: list[list[int]], fin: int, fout: int, rows: list[int], seed: int):
     """Packs laid out as the adapter pool lays them (offload.adapters): every projection's
     adapters in one buffer, and each field a row of one table per field, projection k's tables
@@ -213,8 +238,8 @@ kernels = [
     (L._tile_shrink, dict(X=p16, **{**common, "V": p16}, AOFF="*i64", K=i32, sx=i32, NT=i32, TILES=i32, NP=i32,
                           SA1=i64, SA2=i64, SR1=i64, SR2=i64), dict(R=64, BM=128, BK=64)),
     (L._tile_expand, dict(Y=p16, B=p16, **{**common, "V": p16}, BOFF="*i64", N=i32, sy=i32, NT=i32, NB=i32,
-                          SB1=i64, SB2=i64, SR1=i64, SR2=i64, SS1=i64, SS2=i64),
-     dict(R=64, BM=128, BN=128, ADD=True, HAS_B=False)),
+                          TILES=i32, CH=i32, NP=i32, SB1=i64, SB2=i64, SR1=i64, SR2=i64, SS1=i64, SS2=i64),
+     dict(R=64, BM=128, BN=128, EB=8, ADD=True, HAS_B=False)),
 ]
 for fn, sig, ce in kernels:
     order = list(fn.arg_names)
