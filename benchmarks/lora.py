@@ -273,7 +273,7 @@ def kernel_part(args: argparse.Namespace, bw: float) -> list[dict[str, Any]]:
     configs = {**CONFIGS, **({"decode": json.loads(args.decode_configs)} if args.decode_configs else {}),
                **({"prefill": json.loads(args.prefill_configs)} if args.prefill_configs else {})}
     out, saved = [], (dict(L.DECODE), dict(L.PREFILL), L.WRITE_FIRST, L.SIDE_STREAM)
-    cases = [(int(n), 1, shape, rk) for n in str(args.rows).split(",") for shape in SHAPES
+    cases = [(int(n), 1, shape, rk) for n in str(args.rows).split(",") if n for shape in SHAPES
              for rk in ("16", "64", "mixed")]
     cases += [(args.prefill_rows, args.prompt_len, shape, "mixed") for shape in SHAPES]
     for n, s, (fin, fout), rk in cases:
@@ -359,7 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-mem", default=None)
     ap.add_argument("--peft-model", default="dummy:llama-7b")
     ap.add_argument("--peft-batch", type=int, default=32)
-    ap.add_argument("--rows", default="8,128", help="kernel part: decode rows (a list), each with its own adapter")
+    ap.add_argument("--rows", default="8,128",
+                    help="kernel part: decode rows (a list, empty for none), each with its own adapter")
     ap.add_argument("--prefill-rows", type=int, default=128, help="kernel part: prefill rows of --prompt-len tokens")
     ap.add_argument("--deltas", choices=("first", "after"), default=None,
                     help="population, prefill: LoRA deltas written before the base matmul adds itself, or added "

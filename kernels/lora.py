@@ -104,10 +104,11 @@ def lora_delta(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: LoraPack,
 # lane, `split_rc` at a time, `split_bk` inputs a step); the expand steps through the rank
 # `erc` lanes at a time (0: the shrink's step) over `bn` outputs per program.
 # Prefill rows go in tiles of `bm` tokens through tl.dot: `bk` inputs per shrink step; the
-# expand `bn` outputs a block, `blocks` blocks per program, with `ewarps` warps (0: `warps`).
+# expand's tiles of `ebm` tokens (0: `bm`) by `bn` outputs, `blocks` tiles of outputs per
+# program, with `ewarps` warps (0: `warps`) and `estages` software pipeline stages.
 DECODE = {"lanes_from": 16, "lane_k": 0, "split_k": 256, "bk": 512, "split_bk": 256, "rc": 8, "split_rc": 32,
           "erc": 0, "bn": 256, "warps": 4}
-PREFILL = {"bm": 128, "bk": 64, "bn": 128, "blocks": 8, "warps": 8, "ewarps": 0}
+PREFILL = {"bm": 128, "bk": 64, "bn": 128, "ebm": 0, "blocks": 8, "warps": 8, "ewarps": 0, "estages": 2}
 WRITE_FIRST = True  # lora_linears, tiles: the deltas written first and the base matmul added onto them
 SIDE_STREAM = True  # lora_linears, decode rows on CUDA: deltas beside the base matmul on a stream of their own
 STACKED = True  # lora_linears, decode rows: stacked projections' deltas in one launch of each pass (`_stack`)
@@ -332,14 +333,14 @@ def lora_expand(v: torch.Tensor, yf: torch.Tensor, ids: torch.Tensor, p: LoraPac
     if v.dim() - (n > 1) == 2:  # tiles: (tokens, lanes), led by projections for a stack
         c = PREFILL
         R = v.shape[-1]
-        bm = _prefill_tile(R)[0]
-        nb, tiles = triton.cdiv(N, c["bn"]), triton.cdiv(per_row, bm)
+        bm, bn = _expand_tile(R, v.element_size())
+        nb, tiles = triton.cdiv(N, bn), triton.cdiv(per_row, bm)
         eb = min(c["blocks"], nb)
         chunks = triton.cdiv(nb, eb)
         _tile_expand[(tokens // per_row * n * chunks * tiles,)](
             yf, b, ids, p.buf, p.b_off, p.rank, p.scale, v, per_row, N, yf.stride(0), tokens, nb, tiles, chunks, n,
-            *stack.b, *stack.rank, *stack.scale, R=R, BM=bm, BN=c["bn"], EB=eb, ADD=add, HAS_B=bias is not None,
-            num_warps=c["ewarps"] or c["warps"])
+            *stack.b, *stack.rank, *stack.scale, R=R, BM=bm, BN=bn, EB=eb, ADD=add, HAS_B=bias is not None,
+            num_warps=c["ewarps"] or c["warps"], num_stages=c["estages"])
         return yf
     c = DECODE
     split, rp = v.shape[-2], v.shape[-1]
@@ -349,6 +350,14 @@ def lora_expand(v: torch.Tensor, yf: torch.Tensor, ids: torch.Tensor, p: LoraPac
                                                       *stack.scale, SP=triton.next_power_of_2(split), BN=c["bn"],
                                                       RC=rc, ADD=add, HAS_B=bias is not None, num_warps=c["warps"])
     return yf
+
+
+def _expand_tile(R: int, size: int) -> tuple[int, int]:
+    """A prefill expand's tile, tokens by outputs, for R rank lanes of `size` bytes: halved in
+    both past 128 bytes of lanes a token (fp16 past rank 64; shared memory)."""
+    c = PREFILL
+    bm, bn = c["ebm"] or c["bm"], c["bn"]
+    return (bm, bn) if R * size <= 128 else (max(bm // 2, 16), max(bn // 2, 16))
 
 
 def _prefill_tile(R: int) -> tuple[int, int]:

@@ -126,8 +126,9 @@ def test_decode_tilings_equal_reference(tiling, monkeypatch):
 
 
 @pytest.mark.parametrize("tiling", [{"bn": 16, "blocks": 3}, {"bn": 32, "blocks": 1, "ewarps": 4},
-                                    {"bm": 16, "bn": 16, "blocks": 8}],
-                         ids=["chunks-partial", "block-a-program", "small-tiles-one-chunk"])
+                                    {"bm": 16, "bn": 16, "blocks": 8},
+                                    {"ebm": 16, "bn": 32, "blocks": 2, "ewarps": 2, "estages": 3}],
+                         ids=["chunks-partial", "block-a-program", "small-tiles-one-chunk", "expand-tiles-apart"])
 def test_prefill_tilings_equal_reference(tiling, monkeypatch):
     """Every prefill tiling the benchmark may pick (several blocks of outputs per expand
     program, a last chunk and block that are partial; one block a program; tiles of tokens
