@@ -306,7 +306,9 @@ def kernel_part(args: argparse.Namespace, bw: float) -> list[dict[str, Any]]:
             table.update({**saved[s > 1], **cfg})
             tiles = ",".join(f"{k}={v}" for k, v in cfg.items()) or "default"
             out.append(row(tiles, gpu_seconds(lambda: lora_delta_triton(x, y, ids, pack), calls)))
-            if s > 1:  # the expand as the engine runs it, written first (bytes: y once), and under the matmul
+            if s > 1:  # the shrink; the expand as the engine runs it, written first (bytes: y once); under the matmul
+                out.append(row(f"{tiles}, shrink", gpu_seconds(lambda: lora_shrink(xf, ids, pack, s, True), calls),
+                               buf.numel() * fin // (fin + fout) * 2 + x.numel() * 2))
                 v = lora_shrink(xf, ids, pack, s, True)
                 yf = y.view(-1, fout)
                 out.append(row(f"{tiles}, expand written first", gpu_seconds(
