@@ -264,8 +264,10 @@ def kernel_part(args: argparse.Namespace, bw: float) -> list[dict[str, Any]]:
     """The kernels at decode shapes (one token per row) and prefill shapes (--prefill-rows rows
     of --prompt-len tokens), every row its own adapter, of one rank or of ranks drawn from
     RANKS: the in-place delta in each tiling of CONFIGS (bytes: the rows' adapters, x, and y read
-    and written), its shrink alone, and what a projection costs: the base matmul alone, then
-    the in-place delta, and the delta written first with the matmul added onto it."""
+    and written), at prefill shapes also the shrink, the expand writing y (bytes: y once) and
+    the projection with its deltas written first in each tiling; then the shrink alone, and what
+    a projection costs: the base matmul alone, then the in-place delta, and the delta written
+    first with the matmul added onto it."""
     from flexoff.kernels import lora as L
     from flexoff.kernels.lora import LoraPack, lora_delta_triton, lora_expand, lora_linears, lora_shrink
 

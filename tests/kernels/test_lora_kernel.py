@@ -124,7 +124,6 @@ def test_decode_tilings_equal_reference(tiling, monkeypatch):
         L.lora_delta_triton(x, y.clone(), idx, p, tiles=False)
 
 
-
 @pytest.mark.parametrize("tiling", [{"bn": 16, "blocks": 3}, {"bn": 32, "blocks": 1, "ewarps": 4},
                                     {"bm": 16, "bn": 16, "blocks": 8},
                                     {"ebm": 16, "bn": 32, "blocks": 2, "ewarps": 2, "estages": 3}],
@@ -149,6 +148,7 @@ def test_prefill_tilings_equal_reference(tiling, monkeypatch):
     want = L.lora_delta_ref(x, F.linear(x, w, b), idx, p)
     got = L.lora_linears(x, w, b, [70], idx, [p], kernels=True)[0]
     assert (got - want).abs().max() <= tol * want.abs().max()
+
 
 def pooled(ranks: list[list[int]], fin: int, fout: int, rows: list[int], seed: int):
     """Packs laid out as the adapter pool lays them (offload.adapters): every projection's
