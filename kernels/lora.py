@@ -308,7 +308,7 @@ def lora_shrink(xf: torch.Tensor, ids: torch.Tensor, p: LoraPack, per_row: int, 
     if tiles:
         R = max(16, triton.next_power_of_2(max(p.max_rank, 1)))  # tl.dot takes 16 at least
         v = torch.empty(*((n,) if n > 1 else ()), tokens, R, dtype=p.buf.dtype, device=xf.device)
-        bm, bk = _prefill_tile(R)
+        bm, bk = _shrink_tile(R)
         tiles_per_row = triton.cdiv(per_row, bm)
         _tile_shrink[(n * tiles_per_row * (tokens // per_row),)](
             xf, ids, p.buf, p.a_off, p.rank, p.scale, v, per_row, K, xf.stride(0), tokens, tiles_per_row, n,
@@ -361,8 +361,9 @@ def _expand_tile(R: int, size: int) -> tuple[int, int]:
     return (bm, bn) if R * size <= 128 else (max(bm // 2, 16), max(bn // 2, 16))
 
 
-def _prefill_tile(R: int) -> tuple[int, int]:
-    """A prefill tile's tokens and inputs per step for R rank lanes (halved past 64: registers)."""
+def _shrink_tile(R: int) -> tuple[int, int]:
+    """A prefill shrink's tile of tokens and inputs per step for R rank lanes (halved past 64:
+    registers); the expand's is `_expand_tile`."""
     c = PREFILL
     return (c["bm"], c["bk"]) if R <= 64 else (c["bm"] // 2, c["bk"] // 2)
 

@@ -231,6 +231,7 @@ def test_a_closed_engine_still_referenced_holds_no_buffers():
 def _allocated_gpu(plan) -> int:
     return sum(plan.parts[w]["gpu"] for w in ("weights", "kv cache", "buffers"))
 
+
 def test_gpu_memory_available_counts_the_allocators_unused_blocks(monkeypatch):
     """What a new engine's plan may use on the GPU: the device's free memory and the blocks the
     CUDA allocator holds for this process unused (a closed engine's, not yet given back)."""
@@ -258,7 +259,6 @@ def test_a_new_engine_is_checked_after_the_old_one_gave_its_memory_back(monkeypa
             llm.policy_arg = p
             llm.generate([{"prompt_ids": q} for q in PROMPTS[:4]], max_new_tokens=2)
     assert events[-2:] == [("drop", True), "check"]
-
 
 
 @pytest.mark.parametrize("compressed_first", [True, False])
