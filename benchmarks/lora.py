@@ -178,18 +178,11 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
         if args.adapter_dir is not None:  # as in a long job: only the first block's adapters were read before
             pool, first = m.adapter_pool(), set(sorted(names)[:m.last_policy.block_size])
             before = lambda: pool.drop_host_cache(first)  # noqa: E731
-        runs = []
-        for k, carve in args.prefill_pipeline:  # each way of running the prefill's deltas, in turn
-            L.PIPELINE, L.CARVEOUT = k, carve
-            v = "warm" if len(args.prefill_pipeline) == 1 else f"warm, pipeline {k}, carveout {carve}"
-            if len(args.prefill_pipeline) > 1:  # its kernels compiled for its groups' sizes before it is timed
-                m.generate(prompts, max_new_tokens=1, adapters=names, policy=with_lora)
-            runs.append((v, timed(m, prompts, args.gen_len, names, before, policy=with_lora), k, carve))
+        runs = [("warm", timed(m, prompts, args.gen_len, names, before, policy=with_lora))]
         prof = profiled("lora prefill", lambda: m.generate(prompts, max_new_tokens=1, adapters=names,
                                                            policy=with_lora)) if args.profile else None
         if not args.skip_cold:  # every adapter copied again
-            runs.append(("cold", timed(m, prompts, args.gen_len, names, m.adapter_pool().drop_cache, policy=with_lora),
-                         L.PIPELINE, L.CARVEOUT))
+            runs.append(("cold", timed(m, prompts, args.gen_len, names, m.adapter_pool().drop_cache, policy=with_lora)))
         extra = {"adapters": args.adapters, "used_adapters": len(used), "mean_rank": mean_rank,
                  "deltas": "first" if L.WRITE_FIRST else "after",
                  "decode_tiling": args.decode_tiling, "prefill_tiling": args.prefill_tiling,
@@ -198,8 +191,8 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
                  "adapters_from": "files" if args.adapter_dir else "memory",
                  "adapter_host_bytes": m.adapter_host_bytes(m.engine.adapter_need),  # what the plan counts
                  **({"profile": prof} if prof else {})}
-    for v, (one, full), k, carve in runs:
-        r = record("flexoff", f"lora-{v}", rows, args.gen_len, one, full, pipeline=k, carveout=carve, **extra)
+    for v, (one, full) in runs:
+        r = record("flexoff", f"lora-{v}", rows, args.gen_len, one, full, **extra)
         r["vs_no_lora"] = r["generation_throughput"] / out[0]["generation_throughput"]
         out.append(r)
     return out
@@ -325,13 +318,7 @@ def kernel_part(args: argparse.Namespace, bw: float) -> list[dict[str, Any]]:
                 L.WRITE_FIRST = True
                 sec = gpu_seconds(lambda: lora_linears(x, w, None, [fout], ids, [pack], kernels=True), calls)
                 out.append({**row(f"{tiles}, delta first, matmul onto it", sec), "vs_base_matmul": sec / base})
-                for k, carve in args.prefill_pipeline:
-                    if k > 1:  # groups of rows: each group's deltas beside the last group's matmul
-                        L.PIPELINE, L.CARVEOUT = k, carve
-                        sec = gpu_seconds(lambda: lora_linears(x, w, None, [fout], ids, [pack], kernels=True), calls)
-                        out.append({**row(f"{tiles}, pipeline {k}, carveout {carve}", sec),
-                                    "vs_base_matmul": sec / base})
-                L.WRITE_FIRST, L.PIPELINE, L.CARVEOUT = saved[2], 0, 0
+                L.WRITE_FIRST = saved[2]
         table.update(saved[s > 1])
         out.append(row("shrink", gpu_seconds(lambda: lora_shrink(xf, ids, pack, s, s > 1), calls),
                        buf.numel() * fin // (fin + fout) * 2 + x.numel() * 2))
@@ -347,11 +334,6 @@ def kernel_part(args: argparse.Namespace, bw: float) -> list[dict[str, Any]]:
     L.DECODE.update(saved[0])
     L.PREFILL.update(saved[1])
     return out
-
-
-def pipelines(text: str) -> list[tuple[int, int]]:
-    """--prefill-pipeline's list: groups[:carveout], comma-separated."""
-    return [(int(g), int(c or 0)) for g, _, c in (v.partition(":") for v in text.split(","))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -402,10 +384,6 @@ def main(argv: list[str] | None = None) -> int:
                          % json.dumps(CONFIGS["prefill"]))
     ap.add_argument("--prefill-tiling", default="{}",
                     help='population: JSON over the LoRA kernels\' PREFILL tiling, e.g. \'{"blocks": 4}\'')
-    ap.add_argument("--prefill-pipeline", type=pipelines, default=[(0, 0)],
-                    help="population: groups of rows whose prefill deltas run ahead of the base matmul on a side "
-                         "stream (0: in line), each optionally with :SMs the matmul leaves them; a list runs each "
-                         "in turn, e.g. 0,4,4:16 (default 0)")
     ap.add_argument("--decode-tiling", default="{}",
                     help='population: JSON over the LoRA kernels\' DECODE tiling, e.g. \'{"lane_k": 2048}\'')
     ap.add_argument("--profile", action="store_true",

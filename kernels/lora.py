@@ -24,7 +24,7 @@ Does not know: where adapters come from, which rows have which adapter.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -113,8 +113,6 @@ WRITE_FIRST = True  # lora_linears, tiles: the deltas written first and the base
 SIDE_STREAM = True  # lora_linears, decode rows on CUDA: deltas beside the base matmul on a stream of their own
 STACKED = True  # lora_linears, decode rows: stacked projections' deltas in one launch of each pass (`_stack`)
 TILES_STACKED = True  # the same for tiles (prefill), whose shrink then reads each tile of x once for all
-PIPELINE = 0  # lora_linears, tiles on CUDA written first: groups of rows whose deltas run ahead on a side stream
-CARVEOUT = 0  # SMs the base matmuls leave to the side stream's deltas while PIPELINE runs (0: none)
 
 
 if HAVE_TRITON:
@@ -438,17 +436,14 @@ def lora_linears(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, outs:
 
     stack = _stack(packs, outs, tiles)
 
-    def deltas(y: torch.Tensor, add: bool, bias: torch.Tensor | None, lo: int = 0, hi: int | None = None) -> None:
-        """The deltas onto y, the output of x's rows lo to hi (all by default)."""
-        hi = x.shape[0] if hi is None else hi
-        xs, ids = xf[lo * per_row:hi * per_row], ids32[lo:hi]
+    def deltas(y: torch.Tensor, add: bool, bias: torch.Tensor | None) -> None:
         if stack is not None:  # one launch of each pass for every projection
-            v = lora_shrink(xs, ids, packs[0], per_row, tiles, stack)
-            lora_expand(v, y, ids, packs[0], per_row, add, bias, stack)
+            v = lora_shrink(xf, ids32, packs[0], per_row, tiles, stack)
+            lora_expand(v, y, ids32, packs[0], per_row, add, bias, stack)
             return
         c0 = 0
         for n, p in zip(outs, packs):
-            lora_expand(lora_shrink(xs, ids, p, per_row, tiles), y[:, c0:c0 + n], ids, p, per_row, add,
+            lora_expand(lora_shrink(xf, ids32, p, per_row, tiles), y[:, c0:c0 + n], ids32, p, per_row, add,
                         bias[c0:c0 + n] if bias is not None else None)
             c0 += n
 
@@ -462,9 +457,6 @@ def lora_linears(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, outs:
         y = F.linear(xf, w, b)
         main.wait_stream(side)
         y += d
-    elif WRITE_FIRST and PIPELINE > 1 and x.shape[0] > 1 and xf.is_cuda:
-        y = torch.empty(xf.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-        _pipelined(xf, w, y, x.shape[0], per_row, lambda ys, lo, hi: deltas(ys, False, b, lo, hi))
     elif WRITE_FIRST:
         y = torch.empty(xf.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
         deltas(y, False, b)
@@ -483,32 +475,3 @@ def _side_stream(main: "torch.cuda.Stream") -> "torch.cuda.Stream":
     if main.cuda_stream not in _SIDE:
         _SIDE[main.cuda_stream] = torch.cuda.Stream(main.device)
     return _SIDE[main.cuda_stream]
-
-
-def _pipelined(xf: torch.Tensor, w: torch.Tensor, y: torch.Tensor, rows: int, per_row: int,
-               deltas: Callable[[torch.Tensor, int, int], None]) -> None:
-    """y = deltas + xf @ w.T in PIPELINE groups of rows: each group's deltas (memory-bound) on
-    the side stream, written first, the base matmul (compute-bound) added onto them on the
-    current stream once they are done, so the next group's deltas run beside this group's
-    matmul; the current stream waits for every group before it goes on."""
-    main = torch.cuda.current_stream(xf.device)
-    side = _side_stream(main)
-    side.wait_stream(main)
-    k = min(PIPELINE, rows)
-    cuts = [rows * i // k for i in range(k + 1)]
-    done = []
-    with torch.cuda.stream(side):
-        for lo, hi in zip(cuts, cuts[1:]):
-            deltas(y[lo * per_row:hi * per_row], lo, hi)
-            done.append(torch.cuda.Event())
-            done[-1].record(side)
-    carve = torch._C._get_sm_carveout_experimental()
-    if CARVEOUT:
-        torch._C._set_sm_carveout_experimental(CARVEOUT)
-    try:
-        for (lo, hi), ev in zip(zip(cuts, cuts[1:]), done):
-            main.wait_event(ev)
-            y[lo * per_row:hi * per_row].addmm_(xf[lo * per_row:hi * per_row], w.t())
-    finally:
-        if CARVEOUT:
-            torch._C._set_sm_carveout_experimental(carve)
