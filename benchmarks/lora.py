@@ -67,26 +67,38 @@ def timed(llm: Any, prompts: list[dict], gen_len: int, adapters: Sequence[str | 
     return out[0], out[1]
 
 
-def profiled(label: str, fn: Any, top: int = 25) -> list[dict[str, Any]]:
-    """fn() under torch's profiler: its kernels by GPU time (printed, and returned as records)."""
+def kernel_times(fn: Any) -> dict[str, tuple[int, float]]:
+    """fn() under torch's profiler: each kernel's (calls, GPU ms), kernels launched by CUDA graphs included."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages():
-        if e.device_type != DeviceType.CUDA:  # kernels and copies only: ops and launches carry their time too
-            continue
-        rows.append({"profile": label, "kernel": e.key[:90], "calls": e.count,
-                     "gpu_ms": e.self_device_time_total / 1e3})
+    return {e.key[:90]: (e.count, e.self_device_time_total / 1e3) for e in prof.key_averages()
+            if e.device_type == DeviceType.CUDA}  # kernels and copies only: ops and launches carry their time too
+
+
+def profiled(label: str, fn: Any, top: int = 25, less: Any = None, per: int = 1) -> list[dict[str, Any]]:
+    """fn()'s kernels by GPU time (printed, and returned as records), less those of less() where
+    given, over `per` (a decode step's: a run of n tokens less a run of one, per n - 1)."""
+    got, base = kernel_times(fn), kernel_times(less) if less is not None else {}
+    rows = [{"profile": label, "kernel": k, "calls": (c - base.get(k, (0, 0.0))[0]) / per,
+             "gpu_ms": (ms - base.get(k, (0, 0.0))[1]) / per} for k, (c, ms) in got.items()]
     rows.sort(key=lambda r: -r["gpu_ms"])
     total = sum(r["gpu_ms"] for r in rows)
     print(f"  profile {label}: {total:.1f} ms of GPU time", file=sys.stderr)
     for r in rows[:top]:
-        print(f"    {r['gpu_ms']:9.2f} ms {r['calls']:6d}x {r['kernel']}", file=sys.stderr, flush=True)
+        print(f"    {r['gpu_ms']:9.2f} ms {r['calls']:7.1f}x {r['kernel']}", file=sys.stderr, flush=True)
     return [{**r, "gpu_ms_total": total} for r in rows[:top]]
+
+
+def decode_profile(label: str, m: Any, prompts: list[dict], adapters: Sequence[str | None] | None, policy: Any,
+                   gen_len: int) -> list[dict[str, Any]]:
+    """A decode step's kernels: a run of gen_len tokens less a run of one, per step."""
+    def run(n: int) -> Any:
+        return lambda: m.generate(prompts, max_new_tokens=n, adapters=adapters, policy=policy)
+    return profiled(f"{label} decode step", run(gen_len), less=run(1), per=gen_len - 1)
 
 
 def record(system: str, variant: str, rows: int, gen_len: int, one: float, full: float, **extra: Any) -> dict:
@@ -156,6 +168,8 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
         if args.profile:  # its prefill (a one-token run), to set beside the LoRA engine's
             out[0]["profile"] = profiled("no-lora prefill",
                                          lambda: m.generate(prompts, max_new_tokens=1, policy=without))
+        if args.profile_decode:
+            out[0]["profile_decode"] = decode_profile("no-lora", m, prompts, None, without, args.gen_len)
     gc.collect()
     torch.cuda.empty_cache()  # the first engine's memory back to the device, for the second's budget
     with llm() as m:
@@ -181,6 +195,8 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
         runs = [("warm", timed(m, prompts, args.gen_len, names, before, policy=with_lora))]
         prof = profiled("lora prefill", lambda: m.generate(prompts, max_new_tokens=1, adapters=names,
                                                            policy=with_lora)) if args.profile else None
+        prof_decode = decode_profile("lora", m, prompts, names, with_lora, args.gen_len) if args.profile_decode \
+            else None
         if not args.skip_cold:  # every adapter copied again
             runs.append(("cold", timed(m, prompts, args.gen_len, names, m.adapter_pool().drop_cache, policy=with_lora)))
         extra = {"adapters": args.adapters, "used_adapters": len(used), "mean_rank": mean_rank,
@@ -190,7 +206,7 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
                  "policy": m.last_policy.describe(), "auto": auto, "setup_adapters_s": made, "job_prompts": job,
                  "adapters_from": "files" if args.adapter_dir else "memory",
                  "adapter_host_bytes": m.adapter_host_bytes(m.engine.adapter_need),  # what the plan counts
-                 **({"profile": prof} if prof else {})}
+                 **({"profile": prof} if prof else {}), **({"profile_decode": prof_decode} if prof_decode else {})}
     for v, (one, full) in runs:
         r = record("flexoff", f"lora-{v}", rows, args.gen_len, one, full, **extra)
         r["vs_no_lora"] = r["generation_throughput"] / out[0]["generation_throughput"]
@@ -389,6 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="population: after the timed runs, each engine's prefill under torch's profiler, its "
                          "kernels by GPU time")
+    ap.add_argument("--profile-decode", action="store_true",
+                    help="population: after the timed runs, each engine's decode step under torch's profiler (a "
+                         "run of --gen-len tokens less a run of one, per step), its kernels by GPU time")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out/lora.jsonl"))
     args = ap.parse_args(argv)
