@@ -136,15 +136,17 @@ if HAVE_TRITON:
         tok is the first of them (the run's leader); 0 for the run's other tokens. RUN 1: every
         token leads a run of itself."""
         if RUN == 1:
-            return tok * 0 + 1
-        a = tl.load(IDS + tok // per_row)
-        first = tok % RUN == 0
-        prev = tl.load(IDS + (tok - 1) // per_row, mask=tok % RUN != 0, other=-2)
-        ts = tok + tl.arange(0, RUN)
-        inside = (ts < NT) & (ts // RUN == tok // RUN)
-        same = inside & (tl.load(IDS + ts // per_row, mask=inside, other=-2) == a)
-        n = tl.min(tl.where(same, RUN, tl.arange(0, RUN)))  # the first token past the run
-        return tl.where(first | (prev != a), n, 0)
+            n = (tok * 0 + 1).to(tl.int32)
+        else:
+            a = tl.load(IDS + tok // per_row)
+            first = tok % RUN == 0
+            prev = tl.load(IDS + (tok - 1) // per_row, mask=tok % RUN != 0, other=-2)
+            ts = tok + tl.arange(0, RUN)
+            inside = (ts < NT) & (ts // RUN == tok // RUN)
+            same = inside & (tl.load(IDS + ts // per_row, mask=inside, other=-2) == a)
+            n = tl.min(tl.where(same, RUN, tl.arange(0, RUN)))  # the first token past the run
+            n = tl.where(first | (prev != a), n, 0)
+        return n
 
     @triton.jit
     def _tok_shrink(X, IDS, W, AOFF, RANK, SCALE, V, per_row, K, sx, SPLIT, RP, LG, KS, NT, SA1, SA2, SR1, SR2,

@@ -277,7 +277,7 @@ p16, i32, i64 = "*fp16", "i32", "i64"
 common = dict(IDS="*i32", W=p16, RANK="*i32", SCALE="*fp32", V="*fp32", per_row=i32)
 kernels = [
     (L._tok_shrink, dict(X=p16, **common, AOFF="*i64", K=i32, sx=i32, SPLIT=i32, RP=i32, LG=i32, KS=i32, NT=i32,
-                         SA1=i64, SA2=i64, SR1=i64, SR2=i64), dict(BK=512, RC=8, RUN=16)),
+                         SA1=i64, SA2=i64, SR1=i64, SR2=i64), dict(BK=512, RC=8, RUN=1)),
     (L._tok_expand, dict(Y=p16, B=p16, **common, BOFF="*i64", N=i32, sy=i32, SPLIT=i32, RP=i32, NT=i32,
                          SB1=i64, SB2=i64, SR1=i64, SR2=i64, SS1=i64, SS2=i64),
      dict(SP=1, BN=256, RC=8, ADD=False, HAS_B=True, RUN=16)),
@@ -287,6 +287,7 @@ kernels = [
                           TILES=i32, CH=i32, NP=i32, SB1=i64, SB2=i64, SR1=i64, SR2=i64, SS1=i64, SS2=i64),
      dict(R=64, BM=128, BN=128, EB=8, ADD=True, HAS_B=False)),
 ]
+kernels += [(fn, sig, {**ce, "RUN": 16 if ce["RUN"] == 1 else 1}) for fn, sig, ce in kernels if "RUN" in ce]
 for fn, sig, ce in kernels:
     order = list(fn.arg_names)
     full = {**sig, **dict.fromkeys(ce, "constexpr")}
