@@ -192,24 +192,13 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
         if args.adapter_dir is not None:  # as in a long job: only the first block's adapters were read before
             pool, first = m.adapter_pool(), set(sorted(names)[:m.last_policy.block_size])
             before = lambda: pool.drop_host_cache(first)  # noqa: E731
-        runs = [("warm", timed(m, prompts, args.gen_len, names, before, policy=with_lora), args.decode_tiling)]
-        saved = dict(L.DECODE)
-        for tiling in json.loads(args.decode_tilings or "[]"):  # more decode tilings, each in graphs of its own
-            L.DECODE.update({**saved, **tiling})
-            if m.engine.lean is not None:
-                m.engine.lean.batches.clear()
-            m.generate(prompts[:args.warmup_prompts], max_new_tokens=args.gen_len,
-                       adapters=names[:args.warmup_prompts], policy=with_lora)
-            runs.append((f"warm, decode {json.dumps(tiling)}",
-                         timed(m, prompts, args.gen_len, names, before, policy=with_lora), json.dumps(tiling)))
-        L.DECODE.update(saved)
+        runs = [("warm", timed(m, prompts, args.gen_len, names, before, policy=with_lora))]
         prof = profiled("lora prefill", lambda: m.generate(prompts, max_new_tokens=1, adapters=names,
                                                            policy=with_lora)) if args.profile else None
         prof_decode = decode_profile("lora", m, prompts, names, with_lora, args.gen_len) if args.profile_decode \
             else None
         if not args.skip_cold:  # every adapter copied again
-            runs.append(("cold", timed(m, prompts, args.gen_len, names, m.adapter_pool().drop_cache, policy=with_lora),
-                         args.decode_tiling))
+            runs.append(("cold", timed(m, prompts, args.gen_len, names, m.adapter_pool().drop_cache, policy=with_lora)))
         extra = {"adapters": args.adapters, "used_adapters": len(used), "mean_rank": mean_rank,
                  "deltas": "first" if L.WRITE_FIRST else "after",
                  "decode_tiling": args.decode_tiling, "prefill_tiling": args.prefill_tiling,
@@ -218,8 +207,8 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
                  "adapters_from": "files" if args.adapter_dir else "memory",
                  "adapter_host_bytes": m.adapter_host_bytes(m.engine.adapter_need),  # what the plan counts
                  **({"profile": prof} if prof else {}), **({"profile_decode": prof_decode} if prof_decode else {})}
-    for v, (one, full), tiling in runs:
-        r = record("flexoff", f"lora-{v}", rows, args.gen_len, one, full, **{**extra, "decode_tiling": tiling})
+    for v, (one, full) in runs:
+        r = record("flexoff", f"lora-{v}", rows, args.gen_len, one, full, **extra)
         r["vs_no_lora"] = r["generation_throughput"] / out[0]["generation_throughput"]
         out.append(r)
     return out
@@ -413,9 +402,6 @@ def main(argv: list[str] | None = None) -> int:
                     help='population: JSON over the LoRA kernels\' PREFILL tiling, e.g. \'{"blocks": 4}\'')
     ap.add_argument("--decode-tiling", default="{}",
                     help='population: JSON over the LoRA kernels\' DECODE tiling, e.g. \'{"lane_k": 2048}\'')
-    ap.add_argument("--decode-tilings", default=None,
-                    help="population: a JSON list of more decode tilings (each over --decode-tiling's), each timed "
-                         "after the first in the same LLM, its decode graphs captured anew")
     ap.add_argument("--profile", action="store_true",
                     help="population: after the timed runs, each engine's prefill under torch's profiler, its "
                          "kernels by GPU time")

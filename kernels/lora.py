@@ -102,14 +102,12 @@ def lora_delta(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: LoraPack,
 # lanes (program: `rc` lanes of one token over `lane_k` inputs, 0: all of them; `bk` inputs per
 # load), a smaller one by splits of `split_k` inputs (enough programs for a few tokens; every
 # lane, `split_rc` at a time, `split_bk` inputs a step); the expand steps through the rank
-# `erc` lanes at a time (0: the shrink's step) over `bn` outputs per program. Up to `run`
-# consecutive tokens of one adapter go through one program of each pass as a tile through
-# tl.dot (1: each its own; else 16 or more, and lane steps of 16 or more).
+# `erc` lanes at a time (0: the shrink's step) over `bn` outputs per program.
 # Prefill rows go in tiles of `bm` tokens through tl.dot: `bk` inputs per shrink step; the
 # expand's tiles of `ebm` tokens (0: `bm`) by `bn` outputs, `blocks` tiles of outputs per
 # program, with `ewarps` warps (0: `warps`) and `estages` software pipeline stages.
 DECODE = {"lanes_from": 16, "lane_k": 0, "split_k": 256, "bk": 512, "split_bk": 256, "rc": 8, "split_rc": 32,
-          "erc": 0, "bn": 256, "warps": 4, "run": 1}
+          "erc": 0, "bn": 256, "warps": 4}
 PREFILL = {"bm": 128, "bk": 64, "bn": 128, "ebm": 64, "blocks": 8, "warps": 8, "ewarps": 4, "estages": 3}
 WRITE_FIRST = True  # lora_linears, tiles: the deltas written first and the base matmul added onto them
 SIDE_STREAM = True  # lora_linears, decode rows on CUDA: deltas beside the base matmul on a stream of their own
@@ -132,69 +130,32 @@ if HAVE_TRITON:
         return tl.where(pj == 1, S1, tl.where(pj == 2, S2, 0))
 
     @triton.jit
-    def _run(IDS, tok, per_row, NT, RUN: tl.constexpr):
-        """How many tokens from tok on share its adapter within its chunk of RUN tokens, where
-        tok is the first of them (the run's leader); 0 for the run's other tokens. RUN 1: every
-        token leads a run of itself."""
-        if RUN == 1:
-            n = (tok * 0 + 1).to(tl.int32)
-        else:
-            a = tl.load(IDS + tok // per_row)
-            first = tok % RUN == 0
-            prev = tl.load(IDS + (tok - 1) // per_row, mask=tok % RUN != 0, other=-2)
-            ts = tok + tl.arange(0, RUN)
-            inside = (ts < NT) & (ts // RUN == tok // RUN)
-            same = inside & (tl.load(IDS + ts // per_row, mask=inside, other=-2) == a)
-            n = tl.min(tl.where(same, RUN, tl.arange(0, RUN)))  # the first token past the run
-            n = tl.where(first | (prev != a), n, 0)
-        return n
-
-    @triton.jit
     def _tok_shrink(X, IDS, W, AOFF, RANK, SCALE, V, per_row, K, sx, SPLIT, RP, LG, KS, NT, SA1, SA2, SR1, SR2,
-                    BK: tl.constexpr, RC: tl.constexpr, RUN: tl.constexpr, PREC: tl.constexpr):
+                    BK: tl.constexpr, RC: tl.constexpr):
         """Decode pass one: program (token, group of LG rank lanes, split of KS inputs of
         projection pj) writes x[split] @ A[lanes, split].T to V, RC lanes at a time up to the
         adapter's own rank; groups past the rank do nothing. By lanes (LG = RC): each program
         reads one contiguous run of A; by splits (one group of every lane): a handful of tokens
         still fill the GPU. Stacked projections (q, k, v) share x and one launch: projection
-        pj's offsets and ranks lie SA/SR elements from the first's (`_Stack`). With RUN > 1,
-        consecutive tokens of one adapter (a job's blocks group rows by adapter), up to RUN of
-        them, go through their leader's program (`_run`) as one tile through tl.dot, which
-        reads each tile of A once for all of them (RC of 16 or more)."""
+        pj's offsets and ranks lie SA/SR elements from the first's (`_Stack`)."""
         tok, g, z = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
         sp, pj = z % SPLIT, z // SPLIT
         r, _, ao = _adapter(IDS, RANK + _shift(pj, SR1, SR2), SCALE, AOFF + _shift(pj, SA1, SA2), tok // per_row)
-        n = _run(IDS, tok, per_row, NT, RUN)
         lo = g * LG
-        if (lo < r) & (n > 0):
+        if lo < r:
             ks = tl.arange(0, RC)
             cols = sp * KS + tl.arange(0, BK)
             for r0 in range(lo, tl.minimum(r, lo + LG), RC):
                 live = r0 + ks < r
-                if RUN == 1:
-                    acc = tl.zeros((RC, BK), tl.float32)
-                    for k0 in range(0, KS, BK):
-                        c = cols + k0
-                        cm = c < K
-                        x = tl.load(X + tok * sx + c, mask=cm, other=0.0).to(tl.float32)
-                        at = tl.load(W + ao + (r0 + ks)[:, None] * K + c[None, :], mask=live[:, None] & cm[None, :],
-                                     other=0.0)
-                        acc += at.to(tl.float32) * x[None, :]
-                    tl.store(V + ((pj * NT + tok) * SPLIT + sp) * RP + r0 + ks, tl.sum(acc, axis=1), mask=live)
-                else:
-                    ts = tl.arange(0, RUN)
-                    tm = ts < n
-                    acc = tl.zeros((RUN, RC), tl.float32)
-                    for k0 in range(0, KS, BK):
-                        c = cols + k0
-                        cm = c < K
-                        x = tl.load(X + (tok + ts)[:, None] * sx + c[None, :], mask=tm[:, None] & cm[None, :],
-                                    other=0.0)
-                        at = tl.load(W + ao + (r0 + ks)[:, None] * K + c[None, :], mask=live[:, None] & cm[None, :],
-                                     other=0.0)
-                        acc += tl.dot(x, tl.trans(at), input_precision=PREC)
-                    tl.store(V + ((pj * NT + tok + ts[:, None]) * SPLIT + sp) * RP + r0 + ks[None, :], acc,
-                             mask=tm[:, None] & live[None, :])
+                acc = tl.zeros((RC, BK), tl.float32)
+                for k0 in range(0, KS, BK):
+                    c = cols + k0
+                    cm = c < K
+                    x = tl.load(X + tok * sx + c, mask=cm, other=0.0).to(tl.float32)
+                    at = tl.load(W + ao + (r0 + ks)[:, None] * K + c[None, :], mask=live[:, None] & cm[None, :],
+                                 other=0.0)
+                    acc += at.to(tl.float32) * x[None, :]
+                tl.store(V + ((pj * NT + tok) * SPLIT + sp) * RP + r0 + ks, tl.sum(acc, axis=1), mask=live)
 
     @triton.jit
     def _store(Y, B, ptr, d, outs, om, mask, r, sc, ADD: tl.constexpr, HAS_B: tl.constexpr):
@@ -213,45 +174,25 @@ if HAVE_TRITON:
 
     @triton.jit
     def _tok_expand(Y, B, IDS, W, BOFF, RANK, SCALE, V, per_row, N, sy, SPLIT, RP, NT, SB1, SB2, SR1, SR2, SS1, SS2,
-                    SP: tl.constexpr, BN: tl.constexpr, RC: tl.constexpr, ADD: tl.constexpr, HAS_B: tl.constexpr,
-                    RUN: tl.constexpr):
+                    SP: tl.constexpr, BN: tl.constexpr, RC: tl.constexpr, ADD: tl.constexpr, HAS_B: tl.constexpr):
         """Decode pass two: program (token, block of outputs, projection pj: its N columns from
         pj * N) sums the shrink's partials (in a fixed order: the result does not depend on
-        timing) and expands them, RC lanes at a time; with RUN > 1 a run's leader (`_run`) does
-        so for all its tokens as one tile through tl.dot, reading each tile of B once."""
+        timing) and expands them, RC lanes at a time."""
         tok, nb, pj = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
         r, sc, bo = _adapter(IDS, RANK + _shift(pj, SR1, SR2), SCALE + _shift(pj, SS1, SS2),
                              BOFF + _shift(pj, SB1, SB2), tok // per_row)
-        n = _run(IDS, tok, per_row, NT, RUN)
         ks, ss = tl.arange(0, RC), tl.arange(0, SP)
         outs = nb * BN + tl.arange(0, BN)
         om = outs < N
+        acc = tl.zeros((BN,), tl.float32)
+        for r0 in range(0, r, RC):
+            live = r0 + ks < r
+            v = tl.sum(tl.load(V + ((pj * NT + tok) * SPLIT + ss[:, None]) * RP + r0 + ks[None, :],
+                               mask=(ss < SPLIT)[:, None] & live[None, :], other=0.0), axis=0)
+            bt = tl.load(W + bo + (r0 + ks)[:, None] * N + outs[None, :], mask=live[:, None] & om[None, :], other=0.0)
+            acc += tl.sum(v[:, None] * bt.to(tl.float32), axis=0)
         col = pj * N
-        if RUN == 1:
-            acc = tl.zeros((BN,), tl.float32)
-            for r0 in range(0, r, RC):
-                live = r0 + ks < r
-                v = tl.sum(tl.load(V + ((pj * NT + tok) * SPLIT + ss[:, None]) * RP + r0 + ks[None, :],
-                                   mask=(ss < SPLIT)[:, None] & live[None, :], other=0.0), axis=0)
-                bt = tl.load(W + bo + (r0 + ks)[:, None] * N + outs[None, :], mask=live[:, None] & om[None, :],
-                             other=0.0)
-                acc += tl.sum(v[:, None] * bt.to(tl.float32), axis=0)
-            _store(Y, B + col, Y + tok * sy + col + outs, acc, outs, om, om, r, sc, ADD, HAS_B)
-        elif n > 0:
-            ts = tl.arange(0, RUN)
-            tm = ts < n
-            acc = tl.zeros((RUN, BN), tl.float32)
-            for r0 in range(0, r, RC):
-                live = r0 + ks < r
-                v = tl.sum(tl.load(V + ((pj * NT + tok + ts[:, None, None]) * SPLIT + ss[None, :, None]) * RP + r0
-                                   + ks[None, None, :],
-                                   mask=tm[:, None, None] & (ss < SPLIT)[None, :, None] & live[None, None, :],
-                                   other=0.0), axis=1)
-                bt = tl.load(W + bo + (r0 + ks)[:, None] * N + outs[None, :], mask=live[:, None] & om[None, :],
-                             other=0.0)
-                acc += tl.dot(v, bt.to(tl.float32), input_precision="ieee")
-            _store(Y, B + col, Y + (tok + ts[:, None]) * sy + col + outs[None, :], acc, outs[None, :], om[None, :],
-                   tm[:, None] & om[None, :], r, sc, ADD, HAS_B)
+        _store(Y, B + col, Y + tok * sy + col + outs, acc, outs, om, om, r, sc, ADD, HAS_B)
 
     @triton.jit
     def _tile(IDS, RANK, SCALE, OFF, row, mb, per_row, R: tl.constexpr, BM: tl.constexpr):
@@ -377,9 +318,7 @@ def lora_shrink(xf: torch.Tensor, ids: torch.Tensor, p: LoraPack, per_row: int, 
     v = torch.empty(*((n,) if n > 1 else ()), tokens, t.splits, t.rp, dtype=torch.float32, device=xf.device)
     _tok_shrink[(tokens, t.rp // t.lg, t.splits * n)](xf, ids, p.buf, p.a_off, p.rank, p.scale, v, per_row, K,
                                                        xf.stride(0), t.splits, t.rp, t.lg, t.ks, tokens, *stack.a,
-                                                       *stack.rank, BK=t.bk, RC=t.rc, RUN=_runs(),
-                                                       PREC="ieee" if xf.dtype == torch.float32 else "tf32",
-                                                       num_warps=DECODE["warps"])
+                                                       *stack.rank, BK=t.bk, RC=t.rc, num_warps=DECODE["warps"])
     return v
 
 
@@ -406,12 +345,11 @@ def lora_expand(v: torch.Tensor, yf: torch.Tensor, ids: torch.Tensor, p: LoraPac
         return yf
     c = DECODE
     split, rp = v.shape[-2], v.shape[-1]
-    rc = max(c["erc"], 16) if c["erc"] and _runs() > 1 else c["erc"] or _lane_step(tokens)[1]
+    rc = c["erc"] or _lane_step(tokens)[1]
     _tok_expand[(tokens, triton.cdiv(N, c["bn"]), n)](yf, b, ids, p.buf, p.b_off, p.rank, p.scale, v, per_row, N,
                                                       yf.stride(0), split, rp, tokens, *stack.b, *stack.rank,
                                                       *stack.scale, SP=triton.next_power_of_2(split), BN=c["bn"],
-                                                      RC=rc, ADD=add, HAS_B=bias is not None, RUN=_runs(),
-                                                      num_warps=c["warps"])
+                                                      RC=rc, ADD=add, HAS_B=bias is not None, num_warps=c["warps"])
     return yf
 
 
@@ -446,16 +384,7 @@ def _lane_step(tokens: int) -> tuple[bool, int, int]:
     either pass takes, and the inputs a shrink step loads."""
     c = DECODE
     lanes = tokens >= c["lanes_from"]
-    lanes_, rc, bk = (lanes, c["rc"], c["bk"]) if lanes else (lanes, c["split_rc"], c["split_bk"])
-    return lanes_, max(rc, 16) if _runs() > 1 else rc, bk
-
-
-def _runs() -> int:
-    """DECODE's run: 1, or a power of two of 16 or more (tl.dot's tile)."""
-    run = DECODE["run"]
-    if run != 1 and (run < 16 or run & (run - 1)):
-        raise ValueError(f"DECODE: run {run} is neither 1 nor a power of two of 16 or more")
-    return run
+    return (lanes, c["rc"], c["bk"]) if lanes else (lanes, c["split_rc"], c["split_bk"])
 
 
 def _decode_tiling(tokens: int, K: int, max_rank: int) -> _Decode:

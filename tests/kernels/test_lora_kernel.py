@@ -124,54 +124,6 @@ def test_decode_tilings_equal_reference(tiling, monkeypatch):
         L.lora_delta_triton(x, y.clone(), idx, p, tiles=False)
 
 
-RUNS = [0] * 5 + [-1] * 3 + [1] * 7 + [2] + [3] * 19 + [4] * 2 + [0, 1, 0] + [2] * 4  # 44 rows; 4: rank 0
-
-
-@pytest.mark.parametrize("run,per_row,tiling,dtype", [
-    (16, 1, {}, torch.float32),
-    (32, 3, {}, torch.float16),
-    (16, 1, {"lanes_from": 1000}, torch.float16),  # splits of the input
-    (32, 1, {"lane_k": 128, "bk": 64, "erc": 16}, torch.float32),  # rank lanes over splits
-    (16, 3, {"lane_k": 128, "bk": 64, "erc": 32}, torch.float32),
-], ids=["lanes", "lanes-rows-of-3", "splits", "lane-splits", "lane-splits-rows-of-3"])
-def test_decode_runs_equal_reference(run, per_row, tiling, dtype, monkeypatch):
-    """Decode rows grouped by adapter (runs shorter and longer than a chunk of `run` tokens,
-    across chunk edges, rows on the base model and on an adapter of rank 0 among them, rows of
-    several tokens) give the reference's deltas when a run's tokens share their programs, in
-    each tiling; rows without LoRA are untouched."""
-    monkeypatch.setattr(L, "DECODE", {**L.DECODE, **tiling, "run": run})
-    ranks = [8, 16, 3, 64, 0]
-    p, _ = scattered(ranks, 300, 70, dtype, 9)
-    x = torch.randn(len(RUNS), per_row, 300, device=DEV).to(dtype)
-    y = torch.randn(len(RUNS), per_row, 70, device=DEV).to(dtype)
-    idx = torch.tensor(RUNS, dtype=torch.int32, device=DEV)
-    want = L.lora_delta_ref(x, y.clone(), idx, p)
-    got = L.lora_delta_triton(x, y.clone(), idx, p, tiles=False)
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
-    assert (got.float() - want.float()).abs().max() <= tol * want.float().abs().max()
-    base = [r for r, a in enumerate(RUNS) if a < 0 or ranks[a] == 0]
-    assert torch.equal(got[base], y[base])
-    monkeypatch.setattr(L, "DECODE", {**L.DECODE, "run": 8})  # tl.dot's tiles take 16 rows at least
-    with pytest.raises(ValueError, match="run 8"):
-        L.lora_delta_triton(x, y.clone(), idx, p, tiles=False)
-
-
-@pytest.mark.parametrize("run", [1, 16])
-def test_stacked_decode_runs_equal_the_reference(run, monkeypatch):
-    """Stacked projections (q, k, v from the pool's shared tables) in one launch of each
-    decode pass, rows grouped by adapter: each projection's deltas as the reference's."""
-    monkeypatch.setattr(L, "DECODE", {**L.DECODE, "run": run})
-    fin, fout = 70, 48
-    packs = pooled([[8, 3, 0, 16], [5, 16, 2, 1], [1, 7, 4, 9]], fin, fout, [2, 0, 3], 4)
-    ids = torch.tensor([RUNS[i] % 4 if RUNS[i] >= 0 else -1 for i in range(30)], dtype=torch.int32, device=DEV)
-    x = torch.randn(30, 1, fin, device=DEV)
-    w = torch.randn(3 * fout, fin, device=DEV)
-    want = [L.lora_delta_ref(x, y, ids, p) for y, p in zip(F.linear(x, w).split(fout, -1), packs)]
-    got = L.lora_linears(x, w, None, [fout] * 3, ids, packs, kernels=True)
-    for g, r in zip(got, want):
-        assert (g - r).abs().max() <= 1e-4 * r.abs().max()
-
-
 @pytest.mark.parametrize("tiling", [{"bn": 16, "blocks": 3}, {"bn": 32, "blocks": 1, "ewarps": 4},
                                     {"bm": 16, "bn": 16, "blocks": 8},
                                     {"ebm": 16, "bn": 32, "blocks": 2, "ewarps": 2, "estages": 3}],
@@ -282,17 +234,16 @@ p16, i32, i64 = "*fp16", "i32", "i64"
 common = dict(IDS="*i32", W=p16, RANK="*i32", SCALE="*fp32", V="*fp32", per_row=i32)
 kernels = [
     (L._tok_shrink, dict(X=p16, **common, AOFF="*i64", K=i32, sx=i32, SPLIT=i32, RP=i32, LG=i32, KS=i32, NT=i32,
-                         SA1=i64, SA2=i64, SR1=i64, SR2=i64), dict(BK=512, RC=8, RUN=1, PREC="tf32")),
+                         SA1=i64, SA2=i64, SR1=i64, SR2=i64), dict(BK=512, RC=8)),
     (L._tok_expand, dict(Y=p16, B=p16, **common, BOFF="*i64", N=i32, sy=i32, SPLIT=i32, RP=i32, NT=i32,
                          SB1=i64, SB2=i64, SR1=i64, SR2=i64, SS1=i64, SS2=i64),
-     dict(SP=1, BN=256, RC=8, ADD=False, HAS_B=True, RUN=1)),
+     dict(SP=1, BN=256, RC=8, ADD=False, HAS_B=True)),
     (L._tile_shrink, dict(X=p16, **{**common, "V": p16}, AOFF="*i64", K=i32, sx=i32, NT=i32, TILES=i32, NP=i32,
                           SA1=i64, SA2=i64, SR1=i64, SR2=i64), dict(R=64, BM=128, BK=64)),
     (L._tile_expand, dict(Y=p16, B=p16, **{**common, "V": p16}, BOFF="*i64", N=i32, sy=i32, NT=i32, NB=i32,
                           TILES=i32, CH=i32, NP=i32, SB1=i64, SB2=i64, SR1=i64, SR2=i64, SS1=i64, SS2=i64),
      dict(R=64, BM=128, BN=128, EB=8, ADD=True, HAS_B=False)),
 ]
-kernels += [(fn, sig, {**ce, "RUN": 16, "RC": 16}) for fn, sig, ce in kernels if "RUN" in ce]  # runs: tl.dot
 for fn, sig, ce in kernels:
     order = list(fn.arg_names)
     full = {**sig, **dict.fromkeys(ce, "constexpr")}
