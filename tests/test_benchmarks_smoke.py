@@ -109,6 +109,7 @@ def test_host_step_measures_a_policy_at_a_models_depth(tmp_path):
         assert r["token_step_host_ms"] == pytest.approx(r["median_ms"] * 6 * nb)
 
 
+@pytest.mark.slow  # a measuring tool's own check (about a minute on two cores)
 def test_host_rates_measures_fresh_and_after_the_rest_of_the_profile(tmp_path):
     """benchmarks/host_rates.py --quick: a round per phase (fresh, after the machine's other rates,
     after the engine probes), each rate the median call's, each call timed; the probes' fields as

@@ -17,7 +17,7 @@ from policy_matrix import FULL, pairwise
 from reference import PROMPTS
 
 
-@pytest.mark.parametrize("name", ["opt", "llama", "qwen2"])
+@pytest.mark.parametrize("name", ["opt", "llama", pytest.param("qwen2", marks=pytest.mark.slow)])
 def test_full_matrix_on_tiny_models(tiny, tiny_refs, name):
     want = [r for r, _ in tiny_refs[name]]
     with LLM(str(tiny[name].path)) as llm:
