@@ -83,8 +83,10 @@ def profiled(label: str, fn: Any, top: int = 25, less: Any = None, per: int = 1)
     """fn()'s kernels by GPU time (printed, and returned as records), less those of less() where
     given, over `per` (a decode step's: a run of n tokens less a run of one, per n - 1)."""
     got, base = kernel_times(fn), kernel_times(less) if less is not None else {}
-    rows = [{"profile": label, "kernel": k, "calls": (c - base.get(k, (0, 0.0))[0]) / per,
-             "gpu_ms": (ms - base.get(k, (0, 0.0))[1]) / per} for k, (c, ms) in got.items()]
+    rows = []
+    for k, (c, ms) in got.items():
+        c0, ms0 = base.get(k, (0, 0.0))
+        rows.append({"profile": label, "kernel": k, "calls": (c - c0) / per, "gpu_ms": (ms - ms0) / per})
     rows.sort(key=lambda r: -r["gpu_ms"])
     total = sum(r["gpu_ms"] for r in rows)
     print(f"  profile {label}: {total:.1f} ms of GPU time", file=sys.stderr)
@@ -309,6 +311,7 @@ def kernel_part(args: argparse.Namespace, bw: float) -> list[dict[str, Any]]:
         w = torch.randn(fout, fin, dtype=torch.float16, device="cuda") * 0.01
         ids = torch.arange(n, dtype=torch.int32, device="cuda")
         nbytes = buf.numel() * 2 + x.numel() * 2 + 2 * y.numel() * 2
+        shrunk = buf.numel() * fin // (fin + fout) * 2 + x.numel() * 2  # what the shrink reads: the rows' A, x
         kind = "decode" if s == 1 else "prefill"
         calls = 10 if s == 1 else 3
         table = L.DECODE if s == 1 else L.PREFILL
@@ -319,16 +322,15 @@ def kernel_part(args: argparse.Namespace, bw: float) -> list[dict[str, Any]]:
                     "us": 1e6 * sec, "GBps": moved / sec / 1e9, "of_copy_bandwidth": moved / sec / bw}
 
         base = gpu_seconds(lambda: torch.nn.functional.linear(x, w), calls)
-        xf = x.view(-1, fin)
+        xf, yf = x.view(-1, fin), y.view(-1, fout)
         for cfg in configs[kind]:
             table.update({**saved[s > 1], **cfg})
             tiles = ",".join(f"{k}={v}" for k, v in cfg.items()) or "default"
             out.append(row(tiles, gpu_seconds(lambda: lora_delta_triton(x, y, ids, pack), calls)))
             if s > 1:  # the shrink; the expand as the engine runs it, written first (bytes: y once); under the matmul
                 out.append(row(f"{tiles}, shrink", gpu_seconds(lambda: lora_shrink(xf, ids, pack, s, True), calls),
-                               buf.numel() * fin // (fin + fout) * 2 + x.numel() * 2))
+                               shrunk))
                 v = lora_shrink(xf, ids, pack, s, True)
-                yf = y.view(-1, fout)
                 out.append(row(f"{tiles}, expand written first", gpu_seconds(
                     lambda: lora_expand(v, yf, ids, pack, s, add=False), calls), y.numel() * 2))
                 L.WRITE_FIRST = True
@@ -336,8 +338,7 @@ def kernel_part(args: argparse.Namespace, bw: float) -> list[dict[str, Any]]:
                 out.append({**row(f"{tiles}, delta first, matmul onto it", sec), "vs_base_matmul": sec / base})
                 L.WRITE_FIRST = saved[2]
         table.update(saved[s > 1])
-        out.append(row("shrink", gpu_seconds(lambda: lora_shrink(xf, ids, pack, s, s > 1), calls),
-                       buf.numel() * fin // (fin + fout) * 2 + x.numel() * 2))
+        out.append(row("shrink", gpu_seconds(lambda: lora_shrink(xf, ids, pack, s, s > 1), calls), shrunk))
         out.append({**row("base matmul", base), "vs_base_matmul": 1.0})
         modes = [("matmul + delta", False, False), ("delta first, matmul onto it", True, False)]
         modes += [("delta beside on a stream of its own", True, True)] if s == 1 else []
