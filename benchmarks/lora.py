@@ -124,6 +124,7 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.deltas is not None:
         L.WRITE_FIRST = args.deltas == "first"
     L.SIDE_STREAM = args.side_stream == "on"
+    L.DENSE = args.dense == "on"
     L.STACKED = args.stacked == "on"
     L.TILES_STACKED = args.stacked_prefill == "on"
     L.DECODE.update(json.loads(args.decode_tiling))
@@ -204,7 +205,7 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
         extra = {"adapters": args.adapters, "used_adapters": len(used), "mean_rank": mean_rank,
                  "deltas": "first" if L.WRITE_FIRST else "after",
                  "decode_tiling": args.decode_tiling, "prefill_tiling": args.prefill_tiling,
-                 "side_stream": args.side_stream, "stacked": args.stacked, "stacked_prefill": args.stacked_prefill,
+                 "side_stream": args.side_stream, "dense": args.dense, "stacked": args.stacked, "stacked_prefill": args.stacked_prefill,
                  "policy": m.last_policy.describe(), "auto": auto, "setup_adapters_s": made, "job_prompts": job,
                  "adapters_from": "files" if args.adapter_dir else "memory",
                  "adapter_host_bytes": m.adapter_host_bytes(m.engine.adapter_need),  # what the plan counts
@@ -388,6 +389,9 @@ def main(argv: list[str] | None = None) -> int:
                          "after it (default: the kernels' WRITE_FIRST)")
     ap.add_argument("--side-stream", choices=("on", "off"), default="on",
                     help="population: decode deltas on a stream of their own beside the base matmul, or not")
+    ap.add_argument("--dense", choices=("on", "off"), default="on",
+                    help="population: decode deltas of resident adapters through dense matmuls over the pool's "
+                         "rank lanes (kernels.lora.DENSE), or the token-by-token passes")
     ap.add_argument("--stacked", choices=("on", "off"), default="on",
                     help="population: stacked projections' decode deltas (q, k, v; gate, up) in one launch, "
                          "or one each")

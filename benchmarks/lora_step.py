@@ -3,16 +3,16 @@ o, gate/up stacked, down) on one token per row, every projection of the step cap
 CUDA graph, so the time each way of adding the deltas adds to a step is measured without
 attention, sampling or the host.
 
-Knows: the ways compared, each on the same block of adapters held as the adapter pool holds
-them (resident: one device buffer, each adapter's matmuls one after another):
+Knows: the ways compared, each through `lora_linears` on the same block of adapters held as the
+engine's adapter pool holds them when the weights are resident (rank lanes per matmul):
 - `base`: the base matmuls alone;
-- `kernels`: `lora_linears` as the engine runs it (the decode deltas on a side stream);
-- `kernels-inline`: the same with the deltas written first and the base matmul added onto them;
-- `dense`: the block's adapters laid out per matmul, one after another (A stacked over every
-  adapter's rank, B likewise), so one cuBLAS matmul shrinks every token onto every adapter's
-  ranks, a mask keeps each token's own adapter's lanes with its scale, and one more (per
-  projection) expands them onto y; bytes: each adapter once, as the kernels read them;
-- `dense-side`: the same with the shrink and the mask on a side stream beside the base matmul.
+- `dense`: as the engine runs decode rows (kernels.lora.DENSE): one matmul shrinks every token
+  onto every lane, a mask keeps its own adapter's, one matmul per projection expands them, the
+  shrink beside the base matmul on a stream of its own;
+- `dense-inline`: the same on one stream;
+- `passes`: the token-by-token shrink and expand kernels (DENSE off; what a paged pool runs),
+  beside the base matmul on a stream of their own;
+- `passes-inline`: the same written first, the base matmul added onto them.
 Rows are grouped by adapter (as a job's blocks group them). Prints a table, writes JSON.
 """
 
@@ -22,7 +22,7 @@ import argparse
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,77 +45,31 @@ def block_of(spec: Any, n: int, rows: int, seed: int, device: torch.device) -> t
     g = torch.Generator().manual_seed(seed)
     ranks = [RANKS[i] for i in torch.randint(0, len(RANKS), (n,), generator=g).tolist()]
     adapters = [random_adapter(f"a{i}", spec, r, seed + i, device, torch.float16) for i, r in enumerate(ranks)]
-    pool = AdapterPool(adapters, device, torch.float16)
+    pool = AdapterPool(adapters, device, torch.float16, spec)
     names = [f"a{r * n // rows}" for r in range(rows)]
     resident = SimpleNamespace(splits=[SimpleNamespace(resident=True)], slots=[])
     pool.begin(names, pool.need([names]), resident)
     return pool, names
 
 
-def dense_group(packs: list[Any], ids: list[int], rows: int) -> dict[str, Any]:
-    """One group's adapters per matmul: A of every adapter stacked (lanes, in) over the group's
-    projections, each projection's B transposed stacked (lanes, out), and the mask (rows, lanes):
-    a row's own adapter's lanes carry its scale, the rest zero."""
-    As, Bs, spans, cols = [], [], [], []
-    at = 0
-    for p in packs:
-        lo, mine = at, []
-        for a in range(len(p.ranks)):
-            if p.ranks[a] == 0:
-                continue
-            A, Bt = p.weights(a)
-            As.append(A)
-            mine.append(Bt)
-            cols += [(a, p.scales[a])] * p.ranks[a]
-            at += p.ranks[a]
-        spans.append((lo, at))
-        Bs.append(torch.cat(mine))
-    owner = torch.tensor([a for a, _ in cols])
-    scale = torch.tensor([s for _, s in cols], dtype=torch.float32)
-    mask = (torch.tensor(ids)[:, None] == owner[None, :]) * scale[None, :]
-    return {"A": torch.cat(As), "B": Bs, "spans": spans,
-            "mask": mask.to(As[0].device, As[0].dtype)}
+VARIANTS = {"base": None, "dense": (True, True), "dense-inline": (True, False), "passes": (False, True),
+            "passes-inline": (False, False)}  # (DENSE, SIDE_STREAM)
 
 
-def ways(weights: dict, xs: dict, pool: Any, names: list[str], outs: dict) -> dict[str, Callable[[Any], Any]]:
-    """Each way of computing one group's projections (by its key), returning y."""
-    from flexoff.kernels.lora import _side_stream, lora_linears
+def run_group(variant: str, weights: dict, xs: dict, pool: Any, ids: torch.Tensor, host: tuple[int, ...],
+              outs: dict, key: Any) -> torch.Tensor:
+    """One group's projections (by its key) the variant's way, as one tensor of outputs."""
+    from flexoff.kernels import lora as L
 
-    ids, host = pool.ids(names)
-    rows = len(names)
-    packs = {key: [pool.packs[(key[0], f"{p}.weight")] for p in key[1]] for key in weights}
-    dense = {key: dense_group(ps, list(host), rows) for key, ps in packs.items()}
-
-    def base(key: Any) -> Any:
-        return F.linear(xs[weights[key].shape[1]], weights[key])
-
-    def kernels(key: Any) -> Any:
-        return torch.cat(lora_linears(xs[weights[key].shape[1]], weights[key], None, outs[key], ids, packs[key], host,
-                                      kernels=True), -1)
-
-    def dense_way(side: bool) -> Callable[[Any], Any]:
-        def run(key: Any) -> Any:
-            x, d = xs[weights[key].shape[1]], dense[key]
-            if side and x.is_cuda:
-                main = torch.cuda.current_stream()
-                s = _side_stream(main)
-                s.wait_stream(main)
-                with torch.cuda.stream(s):
-                    v = F.linear(x, d["A"]).mul_(d["mask"])
-                y = F.linear(x, weights[key])
-                main.wait_stream(s)
-            else:
-                v = F.linear(x, d["A"]).mul_(d["mask"])
-                y = F.linear(x, weights[key])
-            c0 = 0
-            for (lo, hi), b, w in zip(d["spans"], d["B"], outs[key]):
-                y[:, c0:c0 + w].addmm_(v[:, lo:hi], b)
-                c0 += w
-            return y
-        return run
-
-    return {"base": base, "kernels": kernels, "kernels-inline": kernels, "dense": dense_way(False),
-            "dense-side": dense_way(True)}
+    w, x = weights[key], xs[weights[key].shape[1]]
+    if VARIANTS[variant] is None:
+        return F.linear(x, w)
+    L.DENSE, L.SIDE_STREAM = VARIANTS[variant]
+    try:
+        packs = [pool.packs[(key[0], f"{p}.weight")] for p in key[1]]
+        return torch.cat(L.lora_linears(x, w, None, outs[key], ids, packs, host, kernels=True), -1)
+    finally:
+        L.DENSE, L.SIDE_STREAM = True, True
 
 
 def setup(model: str, rows: int, blocks: int, device: str) -> tuple[Any, dict, dict, dict]:
@@ -144,38 +98,33 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--adapters", default="12,123", help="adapters in the block (a list: one run each)")
     ap.add_argument("--rows", type=int, default=128)
     ap.add_argument("--blocks", type=int, default=0, help="transformer blocks (default: the model's)")
-    ap.add_argument("--variants", default="base,kernels,kernels-inline,dense,dense-side")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out/lora_step.jsonl"))
     args = ap.parse_args(argv)
     if cuda_missing("lora_step.py"):
         return 2
     from flexoff.checkpoint import load_model
-    from flexoff.kernels import lora as L
 
     blocks = args.blocks or load_model(args.model).spec.num_layers
     spec, weights, xs, outs = setup(args.model, args.rows, blocks, "cuda")
     rows, env = [], environment()
     for n in [int(a) for a in args.adapters.split(",")]:
         pool, names = block_of(spec, n, args.rows, args.seed, torch.device("cuda"))
-        way = ways(weights, xs, pool, names, outs)
+        ids, host = pool.ids(names)
         times = {}
         for v in args.variants.split(","):
-            L.SIDE_STREAM = v != "kernels-inline"
-            fn = way[v]
-            times[v] = gpu_seconds(lambda: [fn(key) for key in weights], 1)
-            L.SIDE_STREAM = True
-        key = next(iter(weights))  # the ways agree: the first group's y by the kernels and the dense way
-        diff = (way["kernels"](key).float() - way["dense"](key).float()).abs().max().item()
+            times[v] = gpu_seconds(lambda: [run_group(v, weights, xs, pool, ids, host, outs, k) for k in weights], 1)
+        key = next(iter(weights))  # the ways agree: the first group's outputs, densely and by the passes
+        diff = (run_group("dense", weights, xs, pool, ids, host, outs, key).float()
+                - run_group("passes", weights, xs, pool, ids, host, outs, key).float()).abs().max().item()
         ranks = [r for k in weights for p in k[1] for r in pool.packs[(k[0], f"{p}.weight")].ranks[:n]]
         for v, sec in times.items():
             rows.append({"variant": v, "adapters": n, "mean_rank": sum(ranks) / len(ranks), "batch": args.rows,
                          "blocks": blocks, "step_ms": 1e3 * sec, "adds_ms": 1e3 * (sec - times.get("base", sec)),
-                         "max_diff_vs_kernels": diff, **env})
+                         "max_diff_dense_vs_passes": diff, **env})
         print(table(rows[-len(times):], ["variant", "adapters", "mean_rank", "step_ms", "adds_ms",
-                                         "max_diff_vs_kernels"]), flush=True)
-        del pool, way
-        torch.cuda.empty_cache()
+                                         "max_diff_dense_vs_passes"]), flush=True)
     write_jsonl(args.out, rows)
     return 0
 

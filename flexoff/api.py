@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import gc
 import warnings
-from dataclasses import astuple, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import torch
@@ -255,7 +255,8 @@ class LLM:
             return None
         names = tuple((n, id(a)) for n, a in self.adapters.items())
         if self._pool is None or self._pool[0] != names:
-            self._pool = (names, AdapterPool(list(self.adapters.values()), self.device, self.dtype))
+            self._pool = (names, AdapterPool(list(self.adapters.values()), self.device, self.dtype,
+                                                 self.model.spec))
         return self._pool[1]
 
     @property
@@ -389,7 +390,7 @@ class LLM:
         room = e is not None and (e.windows is None or windows == e.windows)
         trains = not training or e is not None and e.training
         if e is not None and e.policy == policy and e.max_prompt >= max_prompt and e.max_gen >= max_gen \
-                and trains and room and all(a >= b for a, b in zip(astuple(e.adapter_need), astuple(need))):
+                and trains and room and e.adapter_need.covers(need):
             return e
         if e is not None:  # its memory back to the device before the new engine's plan is checked
             self.drop_engine()

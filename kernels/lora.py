@@ -17,7 +17,12 @@ bytes cost and not the pool's largest rank; projections stacked in one weight (q
 up) whose packs share the pool's buffer and tables go through one launch of each pass. Rows of
 many tokens (prefill) go in tiles of tokens through tl.dot: the shrink reads each input once
 (stacked projections too: their programs for one tile run side by side), the expand each
-output once.
+output once. Where the pool lays a matmul's adapters out as one matrix of rank lanes (`Dense`:
+resident adapters), decode rows go densely instead: one cuBLAS matmul shrinks every token onto
+every lane (beside the base matmul, on a stream of its own), a mask keeps each token's own
+adapter's lanes times its scale, and one more matmul per projection adds their expansion to
+y. The lanes' bytes are read once, not once per token, and three launches replace the
+per-token passes, whose cost was their latency (benchmarks/lora_step.py).
 Does not know: where adapters come from, which rows have which adapter.
 """
 
@@ -54,6 +59,7 @@ class LoraPack:
     b_offs: tuple[int, ...] = ()
     scales: tuple[float, ...] = ()
     leaves: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None  # autograd leaves replacing buf's views
+    dense: "Dense | None" = None  # the same adapters as rank lanes of one matrix (a resident pool)
 
     def weights(self, a: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Adapter a's A (rank, fan_in) and B transposed (rank, fan_out)."""
@@ -62,6 +68,16 @@ class LoraPack:
         r, ao, bo = self.ranks[a], self.a_offs[a], self.b_offs[a]
         return (self.buf[ao:ao + r * self.fan_in].view(r, self.fan_in),
                 self.buf[bo:bo + r * self.fan_out].view(r, self.fan_out))
+
+
+@dataclass
+class Dense:
+    """One matmul's adapters as rank lanes: each adapter's A rows and B transposed rows a run of
+    lanes, lanes no adapter of the block holds marked -1 (finite values, scale 0)."""
+    A: torch.Tensor  # (lanes, fan_in)
+    B: torch.Tensor  # (lanes, fan_out): B transposed
+    owner: torch.Tensor  # (lanes,) int32: the block's adapter whose lane it is, -1 for none
+    scale: torch.Tensor  # (lanes,) float32: that adapter's scale
 
 
 def lora_delta_ref(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: LoraPack,
@@ -109,6 +125,7 @@ def lora_delta(x: torch.Tensor, y: torch.Tensor, ids: torch.Tensor, p: LoraPack,
 DECODE = {"lanes_from": 16, "lane_k": 0, "split_k": 256, "bk": 512, "split_bk": 256, "rc": 8, "split_rc": 32,
           "erc": 0, "bn": 256, "warps": 4}
 PREFILL = {"bm": 128, "bk": 64, "bn": 128, "ebm": 64, "blocks": 8, "warps": 8, "ewarps": 4, "estages": 3}
+DENSE = True  # lora_linears, decode rows of packs with lanes (`Dense`): the dense matmuls, not the passes
 WRITE_FIRST = True  # lora_linears, tiles: the deltas written first and the base matmul added onto them
 SIDE_STREAM = True  # lora_linears, decode rows on CUDA: deltas beside the base matmul on a stream of their own
 STACKED = True  # lora_linears, decode rows: stacked projections' deltas in one launch of each pass (`_stack`)
@@ -253,6 +270,19 @@ if HAVE_TRITON:
             bt = tl.load(W + bo + ks[:, None] * N + outs[None, :], mask=live[:, None] & om[None, :], other=0.0)
             _store(Y, B + col, Y + toks[:, None] * sy + col + outs[None, :], tl.dot(v, bt), outs[None, :],
                    om[None, :], mm[:, None] & om[None, :], r, sc, ADD, HAS_B)
+
+
+    @triton.jit
+    def _lane_mask(V, IDS, OWNER, SCALE, per_row, L, sv, BL: tl.constexpr):
+        """Program (token, block of BL lanes): v times the lane's scale where the lane is the
+        token's adapter's, else 0."""
+        tok, lb = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        a = tl.load(IDS + tok // per_row)
+        ls = lb * BL + tl.arange(0, BL)
+        lm = ls < L
+        own = tl.load(OWNER + ls, mask=lm, other=-1)
+        v = tl.load(V + tok * sv + ls, mask=lm, other=0.0).to(tl.float32) * tl.load(SCALE + ls, mask=lm, other=0.0)
+        tl.store(V + tok * sv + ls, tl.where((own == a) & (own >= 0), v, 0.0).to(V.dtype.element_ty), mask=lm)
 
 
 class _Stack(NamedTuple):
@@ -422,9 +452,10 @@ def lora_linears(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, outs:
                  kernels: bool | None = None) -> list[torch.Tensor]:
     """x @ w.T + b for projections stacked in w (`outs`: their widths; one, or q, k and v, or
     gate and up), each plus its rows' deltas from its own pack: one base matmul for all. With
-    the kernels (where `_kernels` says, or `kernels` forces them): decode rows on a CUDA device
-    with SIDE_STREAM compute the deltas on a stream of their own while the base matmul runs
-    (neither fills the GPU's memory bandwidth alone at decode sizes) and add them after; other
+    the kernels (where `_kernels` says, or `kernels` forces them): decode rows of packs with
+    lanes (a resident pool's) go densely with DENSE (`_dense_linears`); other decode rows on a
+    CUDA device with SIDE_STREAM compute the deltas on a stream of their own while the base
+    matmul runs (neither fills the GPU's memory bandwidth alone at decode sizes) and add them after; other
     rows with WRITE_FIRST (the default) have the expands write scale * v @ B.T + b into each
     projection's columns and the base matmul add itself onto them (cuBLAS reads them in its
     epilogue, so y is read and written once less), else have the deltas added after the
@@ -433,6 +464,9 @@ def lora_linears(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, outs:
     if not (kernels if kernels is not None else _kernels(x)):
         return [lora_delta_ref(x, y, ids, p, host_ids) for y, p in zip(F.linear(x, w, b).split(list(outs), -1), packs)]
     xf, ids32, per_row, tiles = _flat(x, ids, None)
+    if DENSE and not tiles and all(p.dense is not None for p in packs):
+        return list(_dense_linears(xf, w, b, outs, ids32, packs, per_row).view(*x.shape[:-1], w.shape[0])
+                    .split(list(outs), -1))
 
     stack = _stack(packs, outs, tiles)
 
@@ -465,6 +499,95 @@ def lora_linears(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, outs:
         y = F.linear(xf, w, b)
         deltas(y, True, None)
     return list(y.view(*x.shape[:-1], w.shape[0]).split(list(outs), -1))
+
+
+def lane_mask_ref(v: torch.Tensor, ids: torch.Tensor, owner: torch.Tensor, scale: torch.Tensor,
+                  per_row: int) -> torch.Tensor:
+    """v (tokens, lanes) in place: each token's lanes of its row's adapter (ids, per row of
+    per_row tokens) times their scale, every other lane 0."""
+    a = ids.repeat_interleave(per_row)[:, None]
+    keep = (owner[None, :] == a) & (owner[None, :] >= 0)
+    wide = v if v.dtype == torch.float64 else v.float()  # the kernel's float32, float64 kept
+    return v.copy_(torch.where(keep, wide * scale, 0.0))
+
+
+def lane_mask_triton(v: torch.Tensor, ids: torch.Tensor, owner: torch.Tensor, scale: torch.Tensor,
+                     per_row: int) -> torch.Tensor:
+    """lane_mask_ref's kernel (ids int32; v's lanes of unit stride)."""
+    tokens, lanes = v.shape
+    bl = 1024
+    _lane_mask[(tokens, triton.cdiv(lanes, bl))](v, ids, owner, scale, per_row, lanes, v.stride(0), BL=bl)
+    return v
+
+
+def lane_mask(v: torch.Tensor, ids: torch.Tensor, owner: torch.Tensor, scale: torch.Tensor,
+              per_row: int) -> torch.Tensor:
+    """The dispatch: the kernel on CUDA, else the reference."""
+    if HAVE_TRITON and v.is_cuda:
+        return lane_mask_triton(v, ids, owner, scale, per_row)
+    return lane_mask_ref(v, ids, owner, scale, per_row)
+
+
+def _lane_runs(packs: Sequence[LoraPack]) -> list[tuple[Dense, list[int]]]:
+    """The packs' lanes as runs that one matmul shrinks onto: packs whose lane matrices, owners
+    and scales lie side by side in memory (q, k, v in the pool's layout) as one `Dense` over all
+    their lanes, with each pack's first lane in it; any other pack a run of its own."""
+    runs: list[tuple[Dense, list[int]]] = []
+
+    def follows(t: torch.Tensor, before: torch.Tensor) -> bool:
+        return t.data_ptr() == before.data_ptr() + before.numel() * before.element_size()
+
+    for p in packs:
+        d = p.dense
+        assert d is not None
+        if runs:
+            r, starts = runs[-1]
+            if d.A.shape[1] == r.A.shape[1] and follows(d.A, r.A) and follows(d.owner, r.owner) \
+                    and follows(d.scale, r.scale):
+                n = r.A.shape[0] + d.A.shape[0]
+                runs[-1] = (Dense(r.A.as_strided((n, r.A.shape[1]), r.A.stride()), r.B,
+                                  r.owner.as_strided((n,), (1,)), r.scale.as_strided((n,), (1,))),
+                            starts + [r.A.shape[0]])
+                continue
+        runs.append((d, [0]))
+    return runs
+
+
+def _dense_linears(xf: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, outs: Sequence[int],
+                   ids32: torch.Tensor, packs: Sequence[LoraPack], per_row: int) -> torch.Tensor:
+    """Decode rows through the packs' lanes (`Dense`): the shrink onto every lane and the mask
+    (on a side stream beside the base matmul, with SIDE_STREAM on CUDA), then each projection's
+    masked lanes expanded onto its columns of y."""
+    runs = _lane_runs(packs)
+    vs = [torch.empty(xf.shape[0], d.A.shape[0], dtype=xf.dtype, device=xf.device) for d, _ in runs]  # on main
+
+    def shrink() -> None:
+        for (d, _), v in zip(runs, vs):
+            torch.mm(xf, d.A.t(), out=v)
+            lane_mask(v, ids32, d.owner, d.scale, per_row)
+
+    side = SIDE_STREAM and xf.is_cuda
+    if side:
+        main = torch.cuda.current_stream(xf.device)
+        s = _side_stream(main)
+        s.wait_stream(main)
+        with torch.cuda.stream(s):
+            shrink()
+        y = F.linear(xf, w, b)
+        main.wait_stream(s)
+    else:
+        shrink()
+        y = F.linear(xf, w, b)
+    c0, at = 0, 0
+    for (_, starts), v in zip(runs, vs):
+        for k, lo in enumerate(starts):
+            p = packs[at + k]
+            assert p.dense is not None
+            n = outs[at + k]
+            y[:, c0:c0 + n].addmm_(v[:, lo:lo + p.dense.A.shape[0]], p.dense.B)
+            c0 += n
+        at += len(starts)
+    return y
 
 
 _SIDE: dict[int, "torch.cuda.Stream"] = {}

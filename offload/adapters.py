@@ -8,9 +8,14 @@ with room for CACHE_BLOCKS blocks' adapters (a job's blocks group rows by adapte
 read about once), the next block's read by a thread of its own while the current one runs;
 held adapters (made in memory, trained) keep theirs; a block
 (the adapters its rows use, in index order); two ways of holding a block on the device:
-- resident (the weights are on the device too): a cache of whole adapters in one buffer, each
-  copied once and kept while the buffer has room (emptied when a block's adapters do not fit
-  beside it), so blocks that share adapters copy nothing;
+- resident (the weights are on the device too): a cache of adapters laid out per matmul, in one
+  buffer: for each adapted matmul `lanes` rank lanes, A's of the layer's matmuls side by side
+  (in the model's order: q, k and v stack) and then their B's transposed, each adapter's rank
+  lanes of a matmul one run; adapters are copied once and kept while every matmul has lanes to
+  spare (emptied when a block's adapters do not fit beside them), so blocks that share adapters
+  copy nothing, and each lane's owner (its adapter's index in the block, -1 for none) and scale
+  sit in device tables, so a decode step shrinks onto every lane with one dense matmul
+  (`kernels.lora.Dense`);
 - paged (the weights stream from CPU or disk): the block's segments of one layer copied into
   the staging slot that layer's weights go to, on the same copy lane, when the weights are
   prefetched (one copy per adapter and layer, in one lane task), so adapters ride each weight
@@ -29,10 +34,11 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from flexoff.adapters.peft import Adapter
-from flexoff.kernels.lora import LoraPack, lora_delta, lora_linears
+from flexoff.kernels.lora import Dense, LoraPack, lora_delta, lora_linears
 from flexoff.offload.tiers import pinned_empty
 from flexoff.policy.policy import CACHE_BLOCKS
 from flexoff.models.base import linear, materialize, stacked_with_bias
@@ -141,13 +147,23 @@ class HostAdapter:
 @dataclass(frozen=True)
 class Need:
     """What a job's blocks need on the device: the most adapters one block uses, the most
-    elements of LoRA one block uses, and the most one block uses in one layer."""
+    elements of LoRA one block uses, the most one block uses in one layer, per adapted matmul
+    the most rank lanes one block uses in it, and the elements of the resident layout with
+    those lanes (0: as many as `elements`)."""
     adapters: int = 0
     elements: int = 0
     layer: int = 0
+    lanes: tuple[tuple[Key, int], ...] = ()
+    resident: int = 0
 
     def gpu_bytes(self, paged: bool, slots: int, itemsize: int) -> int:
-        return (slots * self.layer if paged else self.elements) * itemsize
+        return (slots * self.layer if paged else max(self.elements, self.resident)) * itemsize
+
+    def covers(self, other: "Need") -> bool:
+        """Whether room made for this need holds blocks of `other` too."""
+        mine = dict(self.lanes)
+        return self.adapters >= other.adapters and self.elements >= other.elements and self.layer >= other.layer \
+            and self.resident >= other.resident and all(mine.get(k, 0) >= n for k, n in other.lanes)
 
 
 def layer_numel(a: Adapter) -> dict[int, int]:
@@ -160,12 +176,15 @@ def layer_numel(a: Adapter) -> dict[int, int]:
 class AdapterPool:
     """Loaded adapters (host copies made on first use) and the current block's on the device."""
 
-    def __init__(self, adapters: Sequence[Adapter], device: torch.device, dtype: torch.dtype):
+    def __init__(self, adapters: Sequence[Adapter], device: torch.device, dtype: torch.dtype, spec: Any = None):
+        """`spec` (the model's) orders each layer's matmuls as the model does, so that stacked
+        ones (q, k, v) lie side by side in the resident layout; without it, by name."""
         self.adapters = {a.name: a for a in adapters}
         self.device, self.dtype = device, dtype
         self.pin = device.type == "cuda"
         self.max_rank = max((sh.rank for a in adapters for sh in a.shapes.values()), default=1)
-        self.keys = sorted({key for a in adapters for key in a.shapes})
+        order = {(j, t.name): i for j, lay in enumerate(spec.layers) for i, t in enumerate(lay.tensors)} if spec else {}
+        self.keys = sorted({key for a in adapters for key in a.shapes}, key=lambda k: (k[0], order.get(k, 0), k[1]))
         self._fans = {key: (sh.fan_in, sh.fan_out) for a in adapters for key, sh in a.shapes.items()}
         self._host: OrderedDict[str, HostAdapter] = OrderedDict()  # least recently used first
         self.cache_elements: int | None = None  # room for the host copies of adapters read from files
@@ -182,26 +201,37 @@ class AdapterPool:
         self._cap: Need | None = None
         self._buf: torch.Tensor | None = None  # resident: the cache; paged: unused
         self._slots: list[torch.Tensor] = []  # paged: one buffer per weight slot
-        self._cached: dict[str, int] = {}  # resident: adapter -> its first element in _buf
-        self._top = 0  # resident: the cache's first free element
+        self._lanes: dict[Key, int] = {}  # resident: each matmul's rank lanes
+        self._regions: dict[Key, tuple[int, int, int]] = {}  # resident: where its A and B lanes start, its first
+        # lane in the lane tables
+        self._cached: dict[str, dict[Key, int]] = {}  # resident: adapter -> its first lane in each matmul
+        self._tops: dict[Key, int] = {}  # resident: each matmul's first free lane
         self._copies: dict[int, list[tuple[torch.Tensor, int, int]]] = {}  # paged: layer -> (src, at, n)
         self._page_at: dict[int, list[int]] = {}  # paged: layer -> each block adapter's place in a slot
         self._offs = self._ranks = self._scales = torch.zeros(0)  # device tables (made by _reserve)
+        self._owner = self._lane_scale = torch.zeros(0)  # resident: each lane's adapter and scale, matmul by matmul
 
     # ---- sizes -------------------------------------------------------------------------------
     def need(self, blocks: Iterable[Iterable[str | None]]) -> Need:
         """The device room a job's blocks (each the adapter names of its rows) need."""
         adapters = elements = layer = 0
+        lanes: dict[Key, int] = {}
         for names in blocks:
             used = {n for n in names if n is not None}
             adapters = max(adapters, len(used))
             elements = max(elements, sum(self.adapters[n].numel for n in used))
             per: dict[int, int] = {}
+            ranks: dict[Key, int] = {}
             for n in used:
                 for j, c in self._layer_numel[n].items():
                     per[j] = per.get(j, 0) + c
+                for key, sh in self.adapters[n].shapes.items():
+                    ranks[key] = ranks.get(key, 0) + sh.rank
             layer = max([layer, *per.values()])
-        return Need(adapters, elements, layer)
+            for key, r in ranks.items():
+                lanes[key] = max(lanes.get(key, 0), r)
+        resident = sum(r * sum(self._fans[k]) for k, r in lanes.items())
+        return Need(adapters, elements, layer, tuple(sorted(lanes.items())), resident)
 
     def host_bytes(self, need: Need | None = None) -> int:
         """Host memory the adapters' flat copies take: every held adapter's, and of those read
@@ -298,24 +328,23 @@ class AdapterPool:
         rewritten there from its values (wherever they live) and its host copy when next
         needed; otherwise the next block copies it anew."""
         self._stale.add(name)
-        at = self._cached.get(name)
-        h = self._host.get(name)
-        if at is None or h is None or self._buf is None:
+        lanes = self._cached.get(name)
+        if lanes is None or self._buf is None:
             self._cached.pop(name, None)
             return
         a = self.adapters[name]
         dst, src = [], []
-        for key, s in h.slots.items():
+        for key, lane in lanes.items():
             m = a.modules[key]
-            dst += [self._buf[at + s.a_off:at + s.a_off + m.A.numel()].view_as(m.A),
-                    self._buf[at + s.b_off:at + s.b_off + m.B.numel()].view(m.B.shape[1], m.B.shape[0])]
+            A, Bt = self._lane_views(key, lane, m.A.shape[0])
+            dst += [A, Bt]
             src += [m.A.detach(), m.B.detach().t()]
         with torch.no_grad():
             torch._foreach_copy_(dst, src)  # as few kernels as the dtypes and devices allow
 
     def drop_cache(self) -> None:
         """Forget the adapters the device holds (resident): the next block copies its own again."""
-        self._cached, self._top = {}, 0
+        self._cached, self._tops = {}, {}
 
     # ---- blocks ------------------------------------------------------------------------------
     def begin(self, names: Sequence[str | None], cap: Need, weights: "WeightStore") -> None:
@@ -330,10 +359,11 @@ class AdapterPool:
         self.block, self.index = used, {n: i for i, n in enumerate(used)}
         hosts = [self.host(n, fresh=paged) for n in used]  # resident: only copies made fresh
         self._evict(set(used))
-        base = self._place(hosts) if not paged else {}
         if paged:
             self._plan_pages(hosts)
             weights.forget()  # the slots hold no layer with this block's adapters yet
+        else:
+            self._place(hosts)
         for key, p in self.packs.items():
             slots = [h.slots.get(key) for h in hosts]
             if paged:
@@ -342,8 +372,11 @@ class AdapterPool:
                 a_offs = [at[i] + s.a_off - lo[i] if s else 0 for i, s in enumerate(slots)]
                 b_offs = [at[i] + s.b_off - lo[i] if s else 0 for i, s in enumerate(slots)]
             else:
-                a_offs = [base[h.name] + s.a_off if s else 0 for h, s in zip(hosts, slots)]
-                b_offs = [base[h.name] + s.b_off if s else 0 for h, s in zip(hosts, slots)]
+                a0, b0, _ = self._regions[key]
+                fan_in, fan_out = self._fans[key]
+                lane = [self._cached[h.name].get(key, 0) for h in hosts]
+                a_offs = [a0 + lane[i] * fan_in if s else 0 for i, s in enumerate(slots)]
+                b_offs = [b0 + lane[i] * fan_out if s else 0 for i, s in enumerate(slots)]
             ranks = [s.rank if s else 0 for s in slots]
             scales = [s.scale if s else 0.0 for s in slots]
             p.ranks, p.a_offs, p.b_offs, p.scales = tuple(ranks), tuple(a_offs), tuple(b_offs), tuple(scales)
@@ -355,20 +388,23 @@ class AdapterPool:
             for i, vals in enumerate(rows):
                 host[i, :len(vals)] = torch.tensor(vals, dtype=table.dtype)
             table.copy_(host)
+        if not paged:
+            self._own(hosts)
         upcoming, self.upcoming = self.upcoming, []
         self.prefetch(upcoming)
 
     def device_bytes(self) -> int:
         """Bytes of the adapters' device buffers (the cache or the pages, and their tables)."""
-        held = ([self._buf] if self._buf is not None else []) + self._slots + [self._offs, self._ranks, self._scales]
+        held = ([self._buf] if self._buf is not None else []) + self._slots + [self._offs, self._ranks, self._scales,
+                                                                              self._owner, self._lane_scale]
         return sum(t.numel() * t.element_size() for t in held)
 
     def release(self) -> None:
         """Give back the device buffers (the engine they were planned for closed); the host
         copies stay, and the next block reserves again."""
-        self._cap, self._buf, self._slots, self._cached, self._top = None, None, [], {}, 0
+        self._cap, self._buf, self._slots, self._cached, self._tops = None, None, [], {}, {}
         self.packs, self.block, self.index = {}, [], {}
-        self._offs = self._ranks = self._scales = torch.zeros(0)
+        self._offs = self._ranks = self._scales = self._owner = self._lane_scale = torch.zeros(0)
         self.version += 1
 
     def _reserve(self, cap: Need, paged: bool, slots: int) -> None:
@@ -376,35 +412,102 @@ class AdapterPool:
         if self._cap == cap and self.paged == paged and (not paged or len(self._slots) == slots):
             return
         self._cap, self.paged = cap, paged
-        self._buf, self._slots, self._cached, self._top = None, [], {}, 0
+        self._buf, self._slots, self._cached, self._tops = None, [], {}, {}
         dev = self.device
+        n, m = max(1, cap.adapters), len(self.keys)
+        given = dict(cap.lanes)  # a need made by hand: room for its adapters at the largest rank
+        self._lanes = {} if paged else {k: given.get(k, 0) if cap.lanes else self.max_rank * n for k in self.keys}
+        self._regions, at = self._layout(self._lanes)
         if paged:
             self._slots = [torch.empty(max(1, cap.layer), dtype=self.dtype, device=dev) for _ in range(slots)]
-        else:
-            self._buf = torch.empty(max(1, cap.elements), dtype=self.dtype, device=dev)
+        else:  # zeros: lanes no adapter holds yet meet the dense matmuls as finite values (their scale: 0)
+            self._buf = torch.zeros(max(1, at), dtype=self.dtype, device=dev)
         buf = self._buf if self._buf is not None else (self._slots[0] if self._slots else None)
-        n, m = max(1, cap.adapters), len(self.keys)
+        total = sum(self._lanes.values())
         # one device table per field, a row per pack: A's and B's offsets, ranks, scales
         self._offs = torch.zeros(2 * m, n, dtype=torch.int64, device=dev)
         self._ranks = torch.zeros(m, n, dtype=torch.int32, device=dev)
         self._scales = torch.zeros(m, n, dtype=torch.float32, device=dev)
-        self.packs = {key: LoraPack(buf, self._offs[2 * i], self._offs[2 * i + 1], self._ranks[i], self._scales[i],
-                                    *self._fans[key], self.max_rank) for i, key in enumerate(self.keys)}
+        self._owner = torch.full((total,), -1, dtype=torch.int32, device=dev)
+        self._lane_scale = torch.zeros(total, dtype=torch.float32, device=dev)
+        self.packs = {}
+        for i, key in enumerate(self.keys):
+            fan_in, fan_out = self._fans[key]
+            dense = None
+            if self._buf is not None:
+                (a0, b0, l0), lanes = self._regions[key], self._lanes[key]
+                dense = Dense(self._buf[a0:a0 + lanes * fan_in].view(lanes, fan_in),
+                              self._buf[b0:b0 + lanes * fan_out].view(lanes, fan_out),
+                              self._owner[l0:l0 + lanes], self._lane_scale[l0:l0 + lanes])
+            self.packs[key] = LoraPack(buf, self._offs[2 * i], self._offs[2 * i + 1], self._ranks[i], self._scales[i],
+                                       fan_in, fan_out, self.max_rank, dense=dense)
         self.version += 1
 
-    def _place(self, hosts: list[HostAdapter]) -> dict[str, int]:
-        """Resident: every adapter of the block in the cache (copied if not there already); the
-        cache is emptied first when the missing ones do not fit after what it holds."""
+    def _layout(self, lanes: Mapping[Key, int]) -> tuple[dict[Key, tuple[int, int, int]], int]:
+        """Resident, for these lanes per matmul: where each matmul's A lanes and B lanes start in
+        the buffer (layer by layer, the layer's A's side by side in key order, then its B's) and
+        its first lane in the lane tables (key order); and the buffer's elements."""
+        out: dict[Key, tuple[int, int, int]] = {}
+        at = first = 0
+        for j in dict.fromkeys(k[0] for k in self.keys):
+            keys = [k for k in self.keys if k[0] == j and k in lanes]
+            starts = []
+            for k in keys:
+                starts.append(at)
+                at += lanes[k] * self._fans[k][0]
+            for k, a0 in zip(keys, starts):
+                out[k] = (a0, at, first)
+                at += lanes[k] * self._fans[k][1]
+                first += lanes[k]
+        return out, at
+
+    def _lane_views(self, key: Key, lane: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Resident: the A (rank, in) and B transposed (rank, out) of the adapter whose lanes in
+        matmul `key` begin at `lane`."""
         assert self._buf is not None
+        (a0, b0, _), (fan_in, fan_out) = self._regions[key], self._fans[key]
+        a0, b0 = a0 + lane * fan_in, b0 + lane * fan_out
+        return (self._buf[a0:a0 + rank * fan_in].view(rank, fan_in),
+                self._buf[b0:b0 + rank * fan_out].view(rank, fan_out))
+
+    def _place(self, hosts: list[HostAdapter]) -> None:
+        """Resident: every adapter of the block in the cache (copied if not there already: each
+        matmul's A and B onto its next free lanes); the cache is emptied first when the missing
+        ones do not fit in some matmul after what it holds."""
         missing = [h for h in hosts if h.name not in self._cached]
-        if self._top + sum(h.numel for h in missing) > self._buf.numel():
-            self._cached, self._top = {}, 0
-            missing = hosts
+        want: dict[Key, int] = {}
         for h in missing:
-            self._buf[self._top:self._top + h.numel].copy_(self.host(h.name).flat, non_blocking=True)
-            self._cached[h.name] = self._top
-            self._top += h.numel
-        return {h.name: self._cached[h.name] for h in hosts}
+            for key, s in h.slots.items():
+                want[key] = want.get(key, 0) + s.rank
+        if any(self._tops.get(k, 0) + r > self._lanes.get(k, 0) for k, r in want.items()):
+            self._cached, self._tops = {}, {}
+            missing = hosts
+            for key in {k for h in hosts for k in h.slots}:
+                if sum(h.slots[key].rank for h in hosts if key in h.slots) > self._lanes.get(key, 0):
+                    raise RuntimeError(f"internal: a block's adapters in {key} exceed the lanes planned for it")
+        for h in missing:
+            flat, lanes = self.host(h.name).flat, {}
+            for key, s in h.slots.items():
+                lane = lanes[key] = self._tops.get(key, 0)
+                self._tops[key] = lane + s.rank
+                A, Bt = self._lane_views(key, lane, s.rank)
+                A.view(-1).copy_(flat[s.a_off:s.a_off + A.numel()], non_blocking=True)
+                Bt.view(-1).copy_(flat[s.b_off:s.b_off + Bt.numel()], non_blocking=True)
+            self._cached[h.name] = lanes
+
+    def _own(self, hosts: list[HostAdapter]) -> None:
+        """Resident: each matmul's lanes marked with the block's adapter that holds them (its index
+        and scale; lanes of cached adapters the block does not use, and free ones: -1 and 0),
+        one copy per table."""
+        owner = np.full(self._owner.numel(), -1, dtype=np.int32)
+        scale = np.zeros(self._lane_scale.numel(), dtype=np.float32)
+        for a, h in enumerate(hosts):
+            for key, lane in self._cached[h.name].items():
+                s, at = h.slots[key], self._regions[key][2] + lane
+                owner[at:at + s.rank] = a
+                scale[at:at + s.rank] = s.scale
+        self._owner.copy_(torch.from_numpy(owner))
+        self._lane_scale.copy_(torch.from_numpy(scale))
 
     def _plan_pages(self, hosts: list[HostAdapter]) -> None:
         """Paged: per layer, where each adapter's segment goes in a slot and what to copy."""

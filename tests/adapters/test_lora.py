@@ -496,3 +496,97 @@ def test_training_sweep_lora_gradients_equal_peft_autograd(tiny, tmp_path, polic
         for pname, mine, ref in pairs:
             assert float((mine - ref).abs().max()) <= 1e-9 * scale, pname
         assert len(pairs) >= 6
+
+
+def test_resident_pool_decodes_densely_as_each_adapter_would():
+    """A resident pool lays each matmul's adapters out as rank lanes (q, k and v side by side, so
+    one matmul shrinks onto all three): decode rows through them (lora_linears' dense way) equal
+    x @ w.T + b plus each row's own adapter's delta from its modules, for adapters of mixed ranks
+    that adapt different matmuls, base rows, blocks of a row per token and of three, a block
+    that leaves a cached adapter it does not use beside its own (whose index that adapter had
+    before), and one that empties the cache; the plan's lanes per matmul are the most any
+    block's adapters take there."""
+    from types import SimpleNamespace
+
+    from flexoff.adapters.peft import Adapter, LoraModule
+    from flexoff.checkpoint import load_model
+    from flexoff.kernels import lora as L
+    from flexoff.offload.adapters import AdapterPool
+
+    spec = load_model("dummy:llama-tiny").spec  # grouped KV heads: k and v narrower than q
+    g = torch.Generator().manual_seed(0)
+    mats = [(j, t.name, t.shape) for j, lay in enumerate(spec.layers) if lay.kind in ("attn", "mlp")
+            for t in lay.tensors if t.matmul]
+
+    def adapter(name, rank_of):
+        mods = {(j, n): LoraModule(torch.randn(rank_of(j, n), fin, generator=g, dtype=torch.float64),
+                                   torch.randn(fout, rank_of(j, n), generator=g, dtype=torch.float64), 0.5 + j / 8)
+                for j, n, (fout, fin) in mats if rank_of(j, n)}
+        return Adapter(name, "", mods)
+
+    adapters = {"a": adapter("a", lambda j, n: 3), "b": adapter("b", lambda j, n: 0 if n == "v_proj.weight" else 8),
+                "c": adapter("c", lambda j, n: 1 + (j + len(n)) % 5),
+                "d": adapter("d", lambda j, n: 16 if n[0] in "qd" else 2)}
+    pool = AdapterPool(list(adapters.values()), torch.device("cpu"), torch.float64, spec)
+    blocks = [["a", "b", None, "b", "a"], ["b", None, "b"], ["c", "d", None, "c"], ["d", "a"]]
+    need = pool.need(blocks)
+    lanes = {}
+    for blk in blocks:
+        for j, n, _ in mats:
+            r = sum(adapters[a].shapes[(j, n)].rank for a in set(blk) - {None} if (j, n) in adapters[a].shapes)
+            lanes[(j, n)] = max(lanes.get((j, n), 0), r)
+    assert dict(need.lanes) == lanes
+    assert need.resident == sum(r * sum(shape) for (j, n, shape) in mats for r in [lanes[(j, n)]])
+    resident = SimpleNamespace(splits=[SimpleNamespace(resident=True)], slots=[])
+    groups = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+    for blk, cached in zip(blocks, [{"a", "b"}, {"a", "b"}, {"c", "d"}, {"d", "a"}]):
+        pool.begin(blk, need, resident)
+        assert set(pool._cached) == cached
+        ids, host = pool.ids(blk)
+        for per_row in (1, 3):
+            for j in sorted({j for j, _, _ in mats}):
+                for group in groups:
+                    keys = [(j, f"{p}.weight") for p in group]
+                    if keys[0] not in pool.packs:
+                        continue
+                    packs = [pool.packs[k] for k in keys]
+                    assert len(L._lane_runs(packs)) == 1
+                    outs = [p.fan_out for p in packs]
+                    x = torch.randn(len(blk), per_row, packs[0].fan_in, generator=g, dtype=torch.float64)
+                    w = torch.randn(sum(outs), packs[0].fan_in, generator=g, dtype=torch.float64)
+                    b = torch.randn(sum(outs), generator=g, dtype=torch.float64)
+                    got = torch.cat(L.lora_linears(x, w, b, outs, ids, packs, host, kernels=True), -1)
+                    want = torch.nn.functional.linear(x, w, b)
+                    for r, name in enumerate(blk):
+                        c0 = 0
+                        for key, n in zip(keys, outs):
+                            m = adapters[name].modules.get(key) if name else None
+                            if m is not None:
+                                want[r, :, c0:c0 + n] += m.scaling * (x[r] @ m.A.t()) @ m.B.t()
+                            c0 += n
+                    assert (got - want).abs().max() <= 1e-10 * want.abs().max(), (blk, keys)
+
+
+@pytest.mark.skipif(not __import__("flexoff.kernels.lora", fromlist=["HAVE_TRITON"]).HAVE_TRITON,
+                    reason="triton is not installed")
+@pytest.mark.parametrize("name", ["llama", "qwen2"])
+def test_the_kernels_in_the_engine_equal_peft(tiny, name, tmp_path, monkeypatch):
+    """With the kernels serving the engine (on the CPU through TRITON_INTERPRET): resident
+    weights decode through the pool's rank lanes densely, and a prompt of 20 tokens prefills in
+    tiles; per row, greedy tokens equal PEFT's with the row's adapter active, over blocks that
+    find adapters cached and blocks that copy their own."""
+    from flexoff.kernels import lora as L
+
+    path = tiny[name].path
+    adapters = make_adapters(path, name, tmp_path)
+    prompts, assign = PROMPTS + [list(range(3, 23))], ASSIGN + ["b"]
+    want = [peft_greedy(path, adapters[a] if a else None, p, 6) for a, p in zip(assign, prompts)]
+    monkeypatch.setattr(L, "_kernels", lambda x: not torch.is_grad_enabled())
+    dense = []
+    real = L._dense_linears
+    monkeypatch.setattr(L, "_dense_linears", lambda *a, **k: dense.append(1) or real(*a, **k))
+    with LLM(str(path), lora=adapters) as llm:
+        llm.policy_arg = Policy(gpu_batch_size=2)
+        got = llm.generate([{"prompt_ids": p, "adapter": a} for a, p in zip(assign, prompts)], max_new_tokens=6)
+    assert [c.token_ids for c in got.completions] == want
+    assert dense

@@ -225,6 +225,31 @@ def test_stacked_deltas_in_one_launch_equal_the_reference(rows, n, bias, tokens,
         assert (g - r).abs().max() <= tol * r.abs().max()
 
 
+@pytest.mark.parametrize("tokens,per_row,lanes", [(5, 1, 37), (6, 3, 1500), (1, 1, 2049)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_lane_mask_kernel_equals_reference(tokens, per_row, lanes, dtype):
+    """The dense decode's mask: each token keeps its row's adapter's lanes times their scale,
+    every other lane (another adapter's, a free lane marked -1, any lane of a base row) 0,
+    whatever was there (infinities included)."""
+    g = torch.Generator().manual_seed(tokens * lanes)
+    rows = tokens // per_row
+    ids = torch.tensor([(-1 if r % 3 == 1 else r % 4) for r in range(rows)], dtype=torch.int32)
+    owner = torch.randint(-1, 4, (lanes,), generator=g, dtype=torch.int32)
+    scale = torch.rand(lanes, generator=g) + 0.5
+    v = torch.randn(tokens, lanes, generator=g).to(dtype)
+    v[:, owner == -1] = float("inf")
+    want = L.lane_mask_ref(v.clone(), ids, owner, scale, per_row)
+    got = L.lane_mask_triton(v.clone().to(DEV), ids.to(DEV), owner.to(DEV), scale.to(DEV), per_row).cpu()
+    # the interpreter rounds float32 to bfloat16 its own way: one unit in the last place
+    torch.testing.assert_close(got, want, rtol=2 ** -7 if dtype == torch.bfloat16 else 0, atol=0)
+    brute = torch.zeros(tokens, lanes)
+    for t in range(tokens):
+        for c in range(lanes):
+            if owner[c] >= 0 and owner[c] == ids[t // per_row]:
+                brute[t, c] = v[t, c].float() * scale[c]
+    assert torch.equal(want, brute.to(dtype))
+
+
 SM90_COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
@@ -243,6 +268,7 @@ kernels = [
     (L._tile_expand, dict(Y=p16, B=p16, **{**common, "V": p16}, BOFF="*i64", N=i32, sy=i32, NT=i32, NB=i32,
                           TILES=i32, CH=i32, NP=i32, SB1=i64, SB2=i64, SR1=i64, SR2=i64, SS1=i64, SS2=i64),
      dict(R=64, BM=128, BN=128, EB=8, ADD=True, HAS_B=False)),
+    (L._lane_mask, dict(V=p16, IDS="*i32", OWNER="*i32", SCALE="*fp32", per_row=i32, L=i32, sv=i32), dict(BL=1024)),
 ]
 for fn, sig, ce in kernels:
     order = list(fn.arg_names)
@@ -253,8 +279,8 @@ for fn, sig, ce in kernels:
 
 
 def test_kernels_compile_for_the_gpu():
-    """The decode and prefill passes, stacked projections' shifts included, compile for sm_90 (no GPU
-    needed): the interpreter accepts code the GPU compiler may refuse."""
+    """The decode and prefill passes, stacked projections' shifts included, and the dense decode's
+    mask compile for sm_90 (no GPU needed): the interpreter accepts code the GPU compiler may refuse."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", SM90_COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
