@@ -9,7 +9,8 @@ engine's adapter pool holds them when the weights are resident (rank lanes per m
 - `dense`: as the engine runs decode rows (kernels.lora.DENSE): one matmul shrinks every token
   onto every lane, a mask keeps its own adapter's, one matmul per projection expands them, the
   shrink beside the base matmul on a stream of its own;
-- `dense-inline`: the same on one stream;
+- `dense-batched`: the same with a stack's expands (q, k, v; gate, up) as one batched matmul;
+- `dense-inline`: `dense` on one stream;
 - `passes`: the token-by-token shrink and expand kernels (DENSE off; what a paged pool runs),
   beside the base matmul on a stream of their own;
 - `passes-inline`: the same written first, the base matmul added onto them.
@@ -52,8 +53,9 @@ def block_of(spec: Any, n: int, rows: int, seed: int, device: torch.device) -> t
     return pool, names
 
 
-VARIANTS = {"base": None, "dense": (True, True), "dense-inline": (True, False), "passes": (False, True),
-            "passes-inline": (False, False)}  # (DENSE, SIDE_STREAM)
+VARIANTS = {"base": None, "dense": (True, True, False), "dense-batched": (True, True, True),
+            "dense-inline": (True, False, False), "passes": (False, True, False),
+            "passes-inline": (False, False, False)}  # (DENSE, SIDE_STREAM, BATCHED_EXPAND)
 
 
 def run_group(variant: str, weights: dict, xs: dict, pool: Any, ids: torch.Tensor, host: tuple[int, ...],
@@ -64,12 +66,13 @@ def run_group(variant: str, weights: dict, xs: dict, pool: Any, ids: torch.Tenso
     w, x = weights[key], xs[weights[key].shape[1]]
     if VARIANTS[variant] is None:
         return F.linear(x, w)
-    L.DENSE, L.SIDE_STREAM = VARIANTS[variant]
+    saved = L.DENSE, L.SIDE_STREAM, L.BATCHED_EXPAND
+    L.DENSE, L.SIDE_STREAM, L.BATCHED_EXPAND = VARIANTS[variant]
     try:
         packs = [pool.packs[(key[0], f"{p}.weight")] for p in key[1]]
         return torch.cat(L.lora_linears(x, w, None, outs[key], ids, packs, host, kernels=True), -1)
     finally:
-        L.DENSE, L.SIDE_STREAM = True, True
+        L.DENSE, L.SIDE_STREAM, L.BATCHED_EXPAND = saved
 
 
 def setup(model: str, rows: int, blocks: int, device: str) -> tuple[Any, dict, dict, dict]:
@@ -99,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=128)
     ap.add_argument("--blocks", type=int, default=0, help="transformer blocks (default: the model's)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--profile", default="", help="variants whose step runs under torch's profiler (a list)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out/lora_step.jsonl"))
     args = ap.parse_args(argv)
@@ -108,13 +112,17 @@ def main(argv: list[str] | None = None) -> int:
 
     blocks = args.blocks or load_model(args.model).spec.num_layers
     spec, weights, xs, outs = setup(args.model, args.rows, blocks, "cuda")
-    rows, env = [], environment()
+    rows, env, profiles = [], environment(), {}
     for n in [int(a) for a in args.adapters.split(",")]:
         pool, names = block_of(spec, n, args.rows, args.seed, torch.device("cuda"))
         ids, host = pool.ids(names)
         times = {}
         for v in args.variants.split(","):
             times[v] = gpu_seconds(lambda: [run_group(v, weights, xs, pool, ids, host, outs, k) for k in weights], 1)
+        for v in [v for v in args.profile.split(",") if v]:
+            from lora import profiled
+            profiles[(n, v)] = profiled(f"{n} adapters, {v}",
+                                        lambda: [run_group(v, weights, xs, pool, ids, host, outs, k) for k in weights])
         key = next(iter(weights))  # the ways agree: the first group's outputs, densely and by the passes
         diff = (run_group("dense", weights, xs, pool, ids, host, outs, key).float()
                 - run_group("passes", weights, xs, pool, ids, host, outs, key).float()).abs().max().item()
@@ -122,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         for v, sec in times.items():
             rows.append({"variant": v, "adapters": n, "mean_rank": sum(ranks) / len(ranks), "batch": args.rows,
                          "blocks": blocks, "step_ms": 1e3 * sec, "adds_ms": 1e3 * (sec - times.get("base", sec)),
-                         "max_diff_dense_vs_passes": diff, **env})
+                         "max_diff_dense_vs_passes": diff, **env,
+                         **({"profile": profiles[(n, v)]} if (n, v) in profiles else {})})
         print(table(rows[-len(times):], ["variant", "adapters", "mean_rank", "step_ms", "adds_ms",
                                          "max_diff_dense_vs_passes"]), flush=True)
     write_jsonl(args.out, rows)

@@ -126,6 +126,7 @@ DECODE = {"lanes_from": 16, "lane_k": 0, "split_k": 256, "bk": 512, "split_bk": 
           "erc": 0, "bn": 256, "warps": 4}
 PREFILL = {"bm": 128, "bk": 64, "bn": 128, "ebm": 64, "blocks": 8, "warps": 8, "ewarps": 4, "estages": 3}
 DENSE = True  # lora_linears, decode rows of packs with lanes (`Dense`): the dense matmuls, not the passes
+BATCHED_EXPAND = False  # the dense way: a stack's expands as one batched matmul where lanes and widths match
 WRITE_FIRST = True  # lora_linears, tiles: the deltas written first and the base matmul added onto them
 SIDE_STREAM = True  # lora_linears, decode rows on CUDA: deltas beside the base matmul on a stream of their own
 STACKED = True  # lora_linears, decode rows: stacked projections' deltas in one launch of each pass (`_stack`)
@@ -528,22 +529,23 @@ def lane_mask(v: torch.Tensor, ids: torch.Tensor, owner: torch.Tensor, scale: to
     return lane_mask_ref(v, ids, owner, scale, per_row)
 
 
+def _follows(t: torch.Tensor, before: torch.Tensor) -> bool:
+    """Whether t begins where `before` ends in memory."""
+    return t.data_ptr() == before.data_ptr() + before.numel() * before.element_size()
+
+
 def _lane_runs(packs: Sequence[LoraPack]) -> list[tuple[Dense, list[int]]]:
     """The packs' lanes as runs that one matmul shrinks onto: packs whose lane matrices, owners
     and scales lie side by side in memory (q, k, v in the pool's layout) as one `Dense` over all
     their lanes, with each pack's first lane in it; any other pack a run of its own."""
     runs: list[tuple[Dense, list[int]]] = []
-
-    def follows(t: torch.Tensor, before: torch.Tensor) -> bool:
-        return t.data_ptr() == before.data_ptr() + before.numel() * before.element_size()
-
     for p in packs:
         d = p.dense
         assert d is not None
         if runs:
             r, starts = runs[-1]
-            if d.A.shape[1] == r.A.shape[1] and follows(d.A, r.A) and follows(d.owner, r.owner) \
-                    and follows(d.scale, r.scale):
+            if d.A.shape[1] == r.A.shape[1] and _follows(d.A, r.A) and _follows(d.owner, r.owner) \
+                    and _follows(d.scale, r.scale):
                 n = r.A.shape[0] + d.A.shape[0]
                 runs[-1] = (Dense(r.A.as_strided((n, r.A.shape[1]), r.A.stride()), r.B,
                                   r.owner.as_strided((n,), (1,)), r.scale.as_strided((n,), (1,))),
@@ -580,6 +582,10 @@ def _dense_linears(xf: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ou
         y = F.linear(xf, w, b)
     c0, at = 0, 0
     for (_, starts), v in zip(runs, vs):
+        if BATCHED_EXPAND and _batched_expand(y[:, c0:], v, packs[at:at + len(starts)], outs[at:at + len(starts)]):
+            c0 += sum(outs[at:at + len(starts)])
+            at += len(starts)
+            continue
         for k, lo in enumerate(starts):
             p = packs[at + k]
             assert p.dense is not None
@@ -588,6 +594,21 @@ def _dense_linears(xf: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ou
             c0 += n
         at += len(starts)
     return y
+
+
+def _batched_expand(y: torch.Tensor, v: torch.Tensor, packs: Sequence[LoraPack], outs: Sequence[int]) -> bool:
+    """A run's expands as one batched matmul onto y's first columns, where its projections have
+    equal lanes and widths and their B's lie side by side; whether it could."""
+    n = len(packs)
+    Bs = [p.dense.B for p in packs if p.dense is not None]
+    if n < 2 or len(Bs) != n or len(set(outs)) != 1 or len({b.shape[0] for b in Bs}) != 1 \
+            or not all(_follows(b, a) for a, b in zip(Bs, Bs[1:])):
+        return False
+    lanes, width = Bs[0].shape
+    tokens = y.shape[0]
+    y[:, :n * width].view(tokens, n, width).transpose(0, 1).baddbmm_(
+        v.view(tokens, n, lanes).transpose(0, 1), Bs[0].as_strided((n, lanes, width), (lanes * width, width, 1)))
+    return True
 
 
 _SIDE: dict[int, "torch.cuda.Stream"] = {}
