@@ -7,9 +7,9 @@ Knows: the ways compared, each through `lora_linears` on the same block of adapt
 engine's adapter pool holds them when the weights are resident (rank lanes per matmul):
 - `base`: the base matmuls alone;
 - `dense`: as the engine runs decode rows (kernels.lora.DENSE): one matmul shrinks every token
-  onto every lane, a mask keeps its own adapter's, one matmul per projection expands them, the
-  shrink beside the base matmul on a stream of its own;
-- `dense-batched`: the same with a stack's expands (q, k, v; gate, up) as one batched matmul;
+  onto every lane, a mask keeps its own adapter's, one batched matmul expands a stack's lanes
+  (q, k, v; gate, up), the shrink beside the base matmul on a stream of its own;
+- `dense-unbatched`: the same with one matmul per projection's expand;
 - `dense-inline`: `dense` on one stream;
 - `passes`: the token-by-token shrink and expand kernels (DENSE off; what a paged pool runs),
   beside the base matmul on a stream of their own;
@@ -53,24 +53,24 @@ def block_of(spec: Any, n: int, rows: int, seed: int, device: torch.device) -> t
     return pool, names
 
 
-VARIANTS = {"base": None, "dense": (True, True, False), "dense-batched": (True, True, True),
-            "dense-inline": (True, False, False), "passes": (False, True, False),
+VARIANTS = {"base": None, "dense": (True, True, True), "dense-unbatched": (True, True, False),
+            "dense-inline": (True, False, True), "passes": (False, True, False),
             "passes-inline": (False, False, False)}  # (DENSE, SIDE_STREAM, BATCHED_EXPAND)
 
 
 def run_group(variant: str, weights: dict, xs: dict, pool: Any, ids: torch.Tensor, host: tuple[int, ...],
-              outs: dict, key: Any) -> torch.Tensor:
-    """One group's projections (by its key) the variant's way, as one tensor of outputs."""
+              outs: dict, key: Any) -> list[torch.Tensor]:
+    """One group's projections (by its key) the variant's way: each projection's outputs."""
     from flexoff.kernels import lora as L
 
     w, x = weights[key], xs[weights[key].shape[1]]
     if VARIANTS[variant] is None:
-        return F.linear(x, w)
+        return [F.linear(x, w)]
     saved = L.DENSE, L.SIDE_STREAM, L.BATCHED_EXPAND
     L.DENSE, L.SIDE_STREAM, L.BATCHED_EXPAND = VARIANTS[variant]
     try:
         packs = [pool.packs[(key[0], f"{p}.weight")] for p in key[1]]
-        return torch.cat(L.lora_linears(x, w, None, outs[key], ids, packs, host, kernels=True), -1)
+        return L.lora_linears(x, w, None, outs[key], ids, packs, host, kernels=True)
     finally:
         L.DENSE, L.SIDE_STREAM, L.BATCHED_EXPAND = saved
 
@@ -124,8 +124,9 @@ def main(argv: list[str] | None = None) -> int:
             profiles[(n, v)] = profiled(f"{n} adapters, {v}",
                                         lambda: [run_group(v, weights, xs, pool, ids, host, outs, k) for k in weights])
         key = next(iter(weights))  # the ways agree: the first group's outputs, densely and by the passes
-        diff = (run_group("dense", weights, xs, pool, ids, host, outs, key).float()
-                - run_group("passes", weights, xs, pool, ids, host, outs, key).float()).abs().max().item()
+        got = {v: torch.cat(run_group(v, weights, xs, pool, ids, host, outs, key), -1).float()
+               for v in ("dense", "passes")}
+        diff = (got["dense"] - got["passes"]).abs().max().item()
         ranks = [r for k in weights for p in k[1] for r in pool.packs[(k[0], f"{p}.weight")].ranks[:n]]
         for v, sec in times.items():
             rows.append({"variant": v, "adapters": n, "mean_rank": sum(ranks) / len(ranks), "batch": args.rows,

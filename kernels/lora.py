@@ -126,7 +126,7 @@ DECODE = {"lanes_from": 16, "lane_k": 0, "split_k": 256, "bk": 512, "split_bk": 
           "erc": 0, "bn": 256, "warps": 4}
 PREFILL = {"bm": 128, "bk": 64, "bn": 128, "ebm": 64, "blocks": 8, "warps": 8, "ewarps": 4, "estages": 3}
 DENSE = True  # lora_linears, decode rows of packs with lanes (`Dense`): the dense matmuls, not the passes
-BATCHED_EXPAND = False  # the dense way: a stack's expands as one batched matmul where lanes and widths match
+BATCHED_EXPAND = True  # the dense way: a stack's expands as one batched matmul where lanes and widths match
 WRITE_FIRST = True  # lora_linears, tiles: the deltas written first and the base matmul added onto them
 SIDE_STREAM = True  # lora_linears, decode rows on CUDA: deltas beside the base matmul on a stream of their own
 STACKED = True  # lora_linears, decode rows: stacked projections' deltas in one launch of each pass (`_stack`)

@@ -13,7 +13,9 @@ held adapters (made in memory, trained) keep theirs; a block
   (in the model's order: q, k and v stack) and then their B's transposed, each adapter's rank
   lanes of a matmul one run; adapters are copied once and kept while every matmul has lanes to
   spare (emptied when a block's adapters do not fit beside them), so blocks that share adapters
-  copy nothing, and each lane's owner (its adapter's index in the block, -1 for none) and scale
+  copy nothing; for a job of several blocks, a staging buffer that the next block's adapters
+  are copied into (each adapter one copy, on a copy stream of their own) while this block
+  runs, and moved from into their lanes in one launch (`kernels.copies`) when it begins; each lane's owner (its adapter's index in the block, -1 for none) and scale
   sit in device tables, so a decode step shrinks onto every lane with one dense matmul
   (`kernels.lora.Dense`);
 - paged (the weights stream from CPU or disk): the block's segments of one layer copied into
@@ -38,6 +40,7 @@ import numpy as np
 import torch
 
 from flexoff.adapters.peft import Adapter
+from flexoff.kernels.copies import copy_runs
 from flexoff.kernels.lora import Dense, LoraPack, lora_delta, lora_linears
 from flexoff.offload.tiers import pinned_empty
 from flexoff.policy.policy import CACHE_BLOCKS
@@ -148,22 +151,25 @@ class HostAdapter:
 class Need:
     """What a job's blocks need on the device: the most adapters one block uses, the most
     elements of LoRA one block uses, the most one block uses in one layer, per adapted matmul
-    the most rank lanes one block uses in it, and the elements of the resident layout with
-    those lanes (0: as many as `elements`)."""
+    the most rank lanes one block uses in it, the elements of the resident layout with those
+    lanes (0: as many as `elements`), and of the staging buffer a job of several blocks copies
+    the next block's adapters into (resident)."""
     adapters: int = 0
     elements: int = 0
     layer: int = 0
     lanes: tuple[tuple[Key, int], ...] = ()
     resident: int = 0
+    staging: int = 0
 
     def gpu_bytes(self, paged: bool, slots: int, itemsize: int) -> int:
-        return (slots * self.layer if paged else max(self.elements, self.resident)) * itemsize
+        return (slots * self.layer if paged else max(self.elements, self.resident) + self.staging) * itemsize
 
     def covers(self, other: "Need") -> bool:
         """Whether room made for this need holds blocks of `other` too."""
         mine = dict(self.lanes)
         return self.adapters >= other.adapters and self.elements >= other.elements and self.layer >= other.layer \
-            and self.resident >= other.resident and all(mine.get(k, 0) >= n for k, n in other.lanes)
+            and self.resident >= other.resident and self.staging >= other.staging \
+            and all(mine.get(k, 0) >= n for k, n in other.lanes)
 
 
 def layer_numel(a: Adapter) -> dict[int, int]:
@@ -206,6 +212,11 @@ class AdapterPool:
         # lane in the lane tables
         self._cached: dict[str, dict[Key, int]] = {}  # resident: adapter -> its first lane in each matmul
         self._tops: dict[Key, int] = {}  # resident: each matmul's first free lane
+        self._stage: torch.Tensor | None = None  # resident, several blocks: the next block's adapters, flat
+        self._staged: dict[str, int] = {}  # adapter -> its first element in _stage
+        self._stage_hosts: list[HostAdapter] = []  # their host copies, kept until the copies are done
+        self._stage_done: Any = None  # a CUDA event after the staging copies
+        self._copier: Any = None  # the CUDA stream they run on
         self._copies: dict[int, list[tuple[torch.Tensor, int, int]]] = {}  # paged: layer -> (src, at, n)
         self._page_at: dict[int, list[int]] = {}  # paged: layer -> each block adapter's place in a slot
         self._offs = self._ranks = self._scales = torch.zeros(0)  # device tables (made by _reserve)
@@ -214,9 +225,10 @@ class AdapterPool:
     # ---- sizes -------------------------------------------------------------------------------
     def need(self, blocks: Iterable[Iterable[str | None]]) -> Need:
         """The device room a job's blocks (each the adapter names of its rows) need."""
-        adapters = elements = layer = 0
+        adapters = elements = layer = count = 0
         lanes: dict[Key, int] = {}
         for names in blocks:
+            count += 1
             used = {n for n in names if n is not None}
             adapters = max(adapters, len(used))
             elements = max(elements, sum(self.adapters[n].numel for n in used))
@@ -231,7 +243,7 @@ class AdapterPool:
             for key, r in ranks.items():
                 lanes[key] = max(lanes.get(key, 0), r)
         resident = sum(r * sum(self._fans[k]) for k, r in lanes.items())
-        return Need(adapters, elements, layer, tuple(sorted(lanes.items())), resident)
+        return Need(adapters, elements, layer, tuple(sorted(lanes.items())), resident, elements if count > 1 else 0)
 
     def host_bytes(self, need: Need | None = None) -> int:
         """Host memory the adapters' flat copies take: every held adapter's, and of those read
@@ -272,10 +284,11 @@ class AdapterPool:
             for n in [n for n in self._host if not self.adapters[n].held and n not in kept]:
                 del self._host[n]
 
-    def prefetch(self, names: Iterable[str | None]) -> None:
+    def prefetch(self, names: Iterable[str | None], main: Any = None) -> None:
         """Start reading these adapters (the next block's) from their files into the host cache,
-        in a thread of its own, while the current block runs (its adapters stay); the next
-        begin() waits for it."""
+        in a thread of its own, while the current block runs (its adapters stay), and (given the
+        CUDA stream `main` that computes) staging them on the device after; the next begin()
+        waits for it."""
         want = [n for n in dict.fromkeys(names) if n is not None and not self.adapters[n].held]
         with self._lock:
             want = [n for n in want if n not in self._host]
@@ -291,6 +304,8 @@ class AdapterPool:
                     with self._lock:
                         self._host.setdefault(n, h)
                 self._evict(current | set(want))
+                if main is not None:
+                    self._stage_next(want, main)
             except BaseException as e:  # raised by wait(), in the thread that runs the blocks
                 failed.append(e)
 
@@ -327,7 +342,9 @@ class AdapterPool:
         """An adapter's values changed (an optimizer step). Held in the device cache, it is
         rewritten there from its values (wherever they live) and its host copy when next
         needed; otherwise the next block copies it anew."""
+        self.wait()
         self._stale.add(name)
+        self._staged.pop(name, None)
         lanes = self._cached.get(name)
         if lanes is None or self._buf is None:
             self._cached.pop(name, None)
@@ -344,7 +361,8 @@ class AdapterPool:
 
     def drop_cache(self) -> None:
         """Forget the adapters the device holds (resident): the next block copies its own again."""
-        self._cached, self._tops = {}, {}
+        self.wait()
+        self._cached, self._tops, self._staged = {}, {}, {}
 
     # ---- blocks ------------------------------------------------------------------------------
     def begin(self, names: Sequence[str | None], cap: Need, weights: "WeightStore") -> None:
@@ -388,21 +406,25 @@ class AdapterPool:
             for i, vals in enumerate(rows):
                 host[i, :len(vals)] = torch.tensor(vals, dtype=table.dtype)
             table.copy_(host)
+        upcoming, self.upcoming = self.upcoming, []
+        main = torch.cuda.current_stream(self.device) if self._stage is not None and self.device.type == "cuda" \
+            else None
         if not paged:
             self._own(hosts)
-        upcoming, self.upcoming = self.upcoming, []
-        self.prefetch(upcoming)
+            self._stage_next(upcoming, main)
+        self.prefetch(upcoming, main)
 
     def device_bytes(self) -> int:
         """Bytes of the adapters' device buffers (the cache or the pages, and their tables)."""
-        held = ([self._buf] if self._buf is not None else []) + self._slots + [self._offs, self._ranks, self._scales,
-                                                                              self._owner, self._lane_scale]
+        held = [t for t in (self._buf, self._stage) if t is not None] + self._slots + [
+            self._offs, self._ranks, self._scales, self._owner, self._lane_scale]
         return sum(t.numel() * t.element_size() for t in held)
 
     def release(self) -> None:
         """Give back the device buffers (the engine they were planned for closed); the host
         copies stay, and the next block reserves again."""
         self._cap, self._buf, self._slots, self._cached, self._tops = None, None, [], {}, {}
+        self._stage, self._staged = None, {}
         self.packs, self.block, self.index = {}, [], {}
         self._offs = self._ranks = self._scales = self._owner = self._lane_scale = torch.zeros(0)
         self.version += 1
@@ -413,6 +435,7 @@ class AdapterPool:
             return
         self._cap, self.paged = cap, paged
         self._buf, self._slots, self._cached, self._tops = None, [], {}, {}
+        self._stage, self._staged = None, {}
         dev = self.device
         n, m = max(1, cap.adapters), len(self.keys)
         given = dict(cap.lanes)  # a need made by hand: room for its adapters at the largest rank
@@ -422,6 +445,8 @@ class AdapterPool:
             self._slots = [torch.empty(max(1, cap.layer), dtype=self.dtype, device=dev) for _ in range(slots)]
         else:  # zeros: lanes no adapter holds yet meet the dense matmuls as finite values (their scale: 0)
             self._buf = torch.zeros(max(1, at), dtype=self.dtype, device=dev)
+            if cap.staging:
+                self._stage = torch.empty(cap.staging, dtype=self.dtype, device=dev)
         buf = self._buf if self._buf is not None else (self._slots[0] if self._slots else None)
         total = sum(self._lanes.values())
         # one device table per field, a row per pack: A's and B's offsets, ranks, scales
@@ -485,15 +510,70 @@ class AdapterPool:
             for key in {k for h in hosts for k in h.slots}:
                 if sum(h.slots[key].rank for h in hosts if key in h.slots) > self._lanes.get(key, 0):
                     raise RuntimeError(f"internal: a block's adapters in {key} exceed the lanes planned for it")
+        staged = self._staging(missing)
+        runs: list[tuple[int, int, int]] = []  # from the staging buffer: (source, destination, elements)
         for h in missing:
             flat, lanes = self.host(h.name).flat, {}
             for key, s in h.slots.items():
                 lane = lanes[key] = self._tops.get(key, 0)
                 self._tops[key] = lane + s.rank
                 A, Bt = self._lane_views(key, lane, s.rank)
+                if h.name in staged:
+                    at, base = staged[h.name], self._buf.data_ptr()  # type: ignore[union-attr]
+                    runs += [(at + s.a_off, (A.data_ptr() - base) // A.element_size(), A.numel()),
+                             (at + s.b_off, (Bt.data_ptr() - base) // Bt.element_size(), Bt.numel())]
+                    continue
                 A.view(-1).copy_(flat[s.a_off:s.a_off + A.numel()], non_blocking=True)
                 Bt.view(-1).copy_(flat[s.b_off:s.b_off + Bt.numel()], non_blocking=True)
             self._cached[h.name] = lanes
+        if runs:
+            copy_runs(self._stage, self._buf, runs)
+
+    def _staging(self, missing: list[HostAdapter]) -> dict[str, int]:
+        """Resident with a staging buffer: the missing adapters in it (those staged while the block
+        before ran, once their copies are done; the others copied in now, one copy each, while
+        they fit), by where each begins; the staged set is then spent."""
+        if self._stage is None:
+            return {}
+        if self._stage_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._stage_done)
+            self._stage_done.synchronize()  # long done (a block ran since): the host copies may go
+            self._stage_done = None
+        self._stage_hosts = []
+        staged, self._staged = self._staged, {}
+        out = {h.name: staged[h.name] for h in missing if h.name in staged}
+        top = max((staged[n] + self.adapters[n].numel for n in staged), default=0)
+        for h in missing:
+            if h.name not in out and top + h.numel <= self._stage.numel():
+                self._stage[top:top + h.numel].copy_(self.host(h.name).flat, non_blocking=True)
+                out[h.name], top = top, top + h.numel
+        return out
+
+    def _stage_next(self, names: Iterable[str | None], main: Any) -> None:
+        """Resident with a staging buffer on CUDA (`main`: the stream that computes): start copying
+        the next block's adapters that the cache lacks and whose host copies are at hand (made
+        already, or just read) into the staging buffer after those staged before, on a copy
+        stream of their own, once this block's moves out of it are done."""
+        if self._stage is None or main is None:
+            return
+        with self._lock:
+            hosts = [self._host[n] for n in dict.fromkeys(names) if n is not None and n not in self._cached
+                     and n not in self._staged and n in self._host and n not in self._stale]
+        if not hosts:
+            return
+        if self._copier is None:
+            self._copier = torch.cuda.Stream(self.device)
+        self._copier.wait_stream(main)
+        top = max((self._staged[n] + self.adapters[n].numel for n in self._staged), default=0)
+        with torch.cuda.stream(self._copier):
+            for h in hosts:
+                if top + h.numel > self._stage.numel():
+                    break
+                self._stage[top:top + h.numel].copy_(h.flat, non_blocking=True)
+                self._staged[h.name], top = top, top + h.numel
+                self._stage_hosts.append(h)
+            self._stage_done = torch.cuda.Event()
+            self._stage_done.record()
 
     def _own(self, hosts: list[HostAdapter]) -> None:
         """Resident: each matmul's lanes marked with the block's adapter that holds them (its index

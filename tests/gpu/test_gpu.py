@@ -262,8 +262,11 @@ def test_training_sweep_on_the_gpu_matches_the_cpu(tiny):
         assert rel_err(a.cpu()[bt.valid], b[bt.valid]) < 1e-3
 
 
-def test_lora_adapters_on_the_gpu_equal_peft(tiny, tmp_path):
-    """Mixed adapters (the Triton kernel) in float16 on the GPU against PEFT in float16 on the GPU."""
+def test_lora_adapters_on_the_gpu_equal_peft(tiny, tmp_path, monkeypatch):
+    """Mixed adapters (the Triton kernels; resident weights: the dense decode, and over several
+    blocks the next block's adapters staged while one runs) in float16 on the GPU against PEFT in
+    float16 on the GPU."""
+    from flexoff.offload.adapters import AdapterPool
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -280,9 +283,12 @@ def test_lora_adapters_on_the_gpu_equal_peft(tiny, tmp_path):
         out = model.generate(input_ids=torch.tensor([p], device="cuda"), max_new_tokens=8, do_sample=False,
                              attention_mask=torch.ones(1, len(p), dtype=torch.long, device="cuda"), pad_token_id=0)
         want.append(out[0, len(p):].tolist())
+    staged = []
+    real = AdapterPool._staging
+    monkeypatch.setattr(AdapterPool, "_staging", lambda self, m: staged.append(out := real(self, m)) or out)
     with LLM(str(path), device="cuda", dtype="float16", lora=adapters) as llm:
-        for policy in (Policy(gpu_batch_size=5), Policy(gpu_batch_size=2, num_gpu_batches=3, w_gpu_percent=0,
-                                                        w_cpu_percent=100)):
+        for policy in (Policy(gpu_batch_size=5), Policy(gpu_batch_size=2),
+                       Policy(gpu_batch_size=2, num_gpu_batches=3, w_gpu_percent=0, w_cpu_percent=100)):
             llm.policy_arg = policy
             with warnings.catch_warnings(record=True) as caught:  # the decode graphs capture the side stream too
                 warnings.simplefilter("always")
@@ -290,6 +296,7 @@ def test_lora_adapters_on_the_gpu_equal_peft(tiny, tmp_path):
                                    max_new_tokens=8)
             assert not [w for w in caught if "graph capture failed" in str(w.message)]
             assert [c.token_ids for c in got.completions] == want, policy.describe()
+    assert any(staged)  # three blocks of two rows: adapters moved into their lanes from the staging buffer
 
 
 @pytest.mark.parametrize("policy", [Policy(gpu_batch_size=2, num_gpu_batches=2),

@@ -255,6 +255,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import flexoff.kernels.lora as L
+import flexoff.kernels.copies as C
 p16, i32, i64 = "*fp16", "i32", "i64"
 common = dict(IDS="*i32", W=p16, RANK="*i32", SCALE="*fp32", V="*fp32", per_row=i32)
 kernels = [
@@ -269,6 +270,7 @@ kernels = [
                           TILES=i32, CH=i32, NP=i32, SB1=i64, SB2=i64, SR1=i64, SR2=i64, SS1=i64, SS2=i64),
      dict(R=64, BM=128, BN=128, EB=8, ADD=True, HAS_B=False)),
     (L._lane_mask, dict(V=p16, IDS="*i32", OWNER="*i32", SCALE="*fp32", per_row=i32, L=i32, sv=i32), dict(BL=1024)),
+    (C._copy_pieces, dict(SRC=p16, DST=p16, TABLE="*i64"), dict(BLOCK=C.BLOCK, PIECE=C.PIECE)),
 ]
 for fn, sig, ce in kernels:
     order = list(fn.arg_names)
@@ -279,8 +281,8 @@ for fn, sig, ce in kernels:
 
 
 def test_kernels_compile_for_the_gpu():
-    """The decode and prefill passes, stacked projections' shifts included, and the dense decode's
-    mask compile for sm_90 (no GPU needed): the interpreter accepts code the GPU compiler may refuse."""
+    """The decode and prefill passes, stacked projections' shifts included, the dense decode's
+    mask and the pool's copies (kernels.copies) compile for sm_90 (no GPU needed): the interpreter accepts code the GPU compiler may refuse."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", SM90_COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
