@@ -511,23 +511,28 @@ class AdapterPool:
                 if sum(h.slots[key].rank for h in hosts if key in h.slots) > self._lanes.get(key, 0):
                     raise RuntimeError(f"internal: a block's adapters in {key} exceed the lanes planned for it")
         staged = self._staging(missing)
-        runs: list[tuple[int, int, int]] = []  # from the staging buffer: (source, destination, elements)
+        runs: list[tuple[int, int, int]] = []  # (source, destination, elements): A and B of each matmul
         for h in missing:
-            flat, lanes = self.host(h.name).flat, {}
+            lanes = {}
             for key, s in h.slots.items():
                 lane = lanes[key] = self._tops.get(key, 0)
                 self._tops[key] = lane + s.rank
-                A, Bt = self._lane_views(key, lane, s.rank)
-                if h.name in staged:
-                    at, base = staged[h.name], self._buf.data_ptr()  # type: ignore[union-attr]
-                    runs += [(at + s.a_off, (A.data_ptr() - base) // A.element_size(), A.numel()),
-                             (at + s.b_off, (Bt.data_ptr() - base) // Bt.element_size(), Bt.numel())]
-                    continue
-                A.view(-1).copy_(flat[s.a_off:s.a_off + A.numel()], non_blocking=True)
-                Bt.view(-1).copy_(flat[s.b_off:s.b_off + Bt.numel()], non_blocking=True)
+                (a0, b0, _), (fan_in, fan_out) = self._regions[key], self._fans[key]
+                runs += [(s.a_off, a0 + lane * fan_in, s.rank * fan_in), (s.b_off, b0 + lane * fan_out, s.rank * fan_out)]
             self._cached[h.name] = lanes
-        if runs:
-            copy_runs(self._stage, self._buf, runs)
+        assert self._buf is not None
+        at, moves = 0, []  # from the staging buffer, in one launch
+        for h in missing:
+            mine = runs[at:at + 2 * len(h.slots)]
+            at += len(mine)
+            if h.name in staged:
+                moves += [(staged[h.name] + src, dst, n) for src, dst, n in mine]
+                continue
+            flat = self.host(h.name).flat  # no staging buffer (a job of one block), or no room left in it
+            for src, dst, n in mine:
+                self._buf[dst:dst + n].copy_(flat[src:src + n], non_blocking=True)
+        if moves:
+            copy_runs(self._stage, self._buf, moves)
 
     def _staging(self, missing: list[HostAdapter]) -> dict[str, int]:
         """Resident with a staging buffer: the missing adapters in it (those staged while the block
