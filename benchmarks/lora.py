@@ -124,8 +124,7 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
     if args.deltas is not None:
         L.WRITE_FIRST = args.deltas == "first"
     L.SIDE_STREAM = args.side_stream == "on"
-    L.DENSE = args.dense != "off"
-    L.DELTA_BESIDE = args.dense == "beside"
+    L.DENSE = args.dense == "on"
     L.STACKED = args.stacked == "on"
     L.TILES_STACKED = args.stacked_prefill == "on"
     L.DECODE.update(json.loads(args.decode_tiling))
@@ -390,10 +389,9 @@ def main(argv: list[str] | None = None) -> int:
                          "after it (default: the kernels' WRITE_FIRST)")
     ap.add_argument("--side-stream", choices=("on", "off"), default="on",
                     help="population: decode deltas on a stream of their own beside the base matmul, or not")
-    ap.add_argument("--dense", choices=("on", "beside", "off"), default="on",
+    ap.add_argument("--dense", choices=("on", "off"), default="on",
                     help="population: decode deltas of resident adapters through dense matmuls over the pool's "
-                         "rank lanes (kernels.lora.DENSE; beside: the expand too beside the base matmul, its delta "
-                         "added after), or the token-by-token passes")
+                         "rank lanes (kernels.lora.DENSE), or the token-by-token passes")
     ap.add_argument("--stacked", choices=("on", "off"), default="on",
                     help="population: stacked projections' decode deltas (q, k, v; gate, up) in one launch, "
                          "or one each")

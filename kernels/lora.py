@@ -127,7 +127,6 @@ DECODE = {"lanes_from": 16, "lane_k": 0, "split_k": 256, "bk": 512, "split_bk": 
 PREFILL = {"bm": 128, "bk": 64, "bn": 128, "ebm": 64, "blocks": 8, "warps": 8, "ewarps": 4, "estages": 3}
 DENSE = True  # lora_linears, decode rows of packs with lanes (`Dense`): the dense matmuls, not the passes
 BATCHED_EXPAND = True  # the dense way: a stack's expands as one batched matmul where lanes and widths match
-DELTA_BESIDE = False  # the dense way on a side stream: the expand beside the base matmul too, its delta added after
 WRITE_FIRST = True  # lora_linears, tiles: the deltas written first and the base matmul added onto them
 SIDE_STREAM = True  # lora_linears, decode rows on CUDA: deltas beside the base matmul on a stream of their own
 STACKED = True  # lora_linears, decode rows: stacked projections' deltas in one launch of each pass (`_stack`)
@@ -558,66 +557,48 @@ def _lane_runs(packs: Sequence[LoraPack]) -> list[tuple[Dense, list[int]]]:
 
 def _dense_linears(xf: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, outs: Sequence[int],
                    ids32: torch.Tensor, packs: Sequence[LoraPack], per_row: int) -> torch.Tensor:
-    """Decode rows through the packs' lanes (`Dense`): the shrink onto every lane and the mask,
-    then each projection's masked lanes expanded onto its columns of y. With SIDE_STREAM on
-    CUDA the shrink and the mask run on a stream of their own beside the base matmul; with
-    DELTA_BESIDE the expand writes a buffer of its own (beside the base matmul too), added to y
-    after."""
+    """Decode rows through the packs' lanes (`Dense`): the shrink onto every lane and the mask
+    (on a side stream beside the base matmul, with SIDE_STREAM on CUDA), then each projection's
+    masked lanes expanded onto its columns of y."""
     runs = _lane_runs(packs)
     vs = [torch.empty(xf.shape[0], d.A.shape[0], dtype=xf.dtype, device=xf.device) for d, _ in runs]  # on main
-    side = SIDE_STREAM and xf.is_cuda
-    d = torch.empty(xf.shape[0], w.shape[0], dtype=xf.dtype, device=xf.device) if DELTA_BESIDE else None
 
     def shrink() -> None:
-        for (lanes, _), v in zip(runs, vs):
-            torch.mm(xf, lanes.A.t(), out=v)
-            lane_mask(v, ids32, lanes.owner, lanes.scale, per_row)
+        for (d, _), v in zip(runs, vs):
+            torch.mm(xf, d.A.t(), out=v)
+            lane_mask(v, ids32, d.owner, d.scale, per_row)
 
+    side = SIDE_STREAM and xf.is_cuda
     if side:
         main = torch.cuda.current_stream(xf.device)
         s = _side_stream(main)
         s.wait_stream(main)
         with torch.cuda.stream(s):
             shrink()
-            if d is not None:
-                _dense_expand(d, runs, vs, packs, outs, 0.0)
         y = F.linear(xf, w, b)
         main.wait_stream(s)
     else:
         shrink()
-        if d is not None:
-            _dense_expand(d, runs, vs, packs, outs, 0.0)
         y = F.linear(xf, w, b)
-    if d is not None:
-        y += d
-    else:
-        _dense_expand(y, runs, vs, packs, outs, 1.0)
+    c0, at = 0, 0
+    for (_, starts), v in zip(runs, vs):
+        if BATCHED_EXPAND and _batched_expand(y[:, c0:], v, packs[at:at + len(starts)], outs[at:at + len(starts)]):
+            c0 += sum(outs[at:at + len(starts)])
+            at += len(starts)
+            continue
+        for k, lo in enumerate(starts):
+            p = packs[at + k]
+            assert p.dense is not None
+            n = outs[at + k]
+            y[:, c0:c0 + n].addmm_(v[:, lo:lo + p.dense.A.shape[0]], p.dense.B)
+            c0 += n
+        at += len(starts)
     return y
 
 
-def _dense_expand(y: torch.Tensor, runs: list[tuple[Dense, list[int]]], vs: list[torch.Tensor],
-                  packs: Sequence[LoraPack], outs: Sequence[int], beta: float) -> None:
-    """Each projection's masked lanes (vs, per run) expanded onto its columns of y, added to them
-    (beta 1) or written over them (beta 0); a run's expands as one batched matmul with
-    BATCHED_EXPAND where they can go so."""
-    c0, at = 0, 0
-    for (_, starts), v in zip(runs, vs):
-        mine, widths = packs[at:at + len(starts)], outs[at:at + len(starts)]
-        if not (BATCHED_EXPAND and _batched_expand(y[:, c0:], v, mine, widths, beta)):
-            c = c0
-            for lo, p, n in zip(starts, mine, widths):
-                assert p.dense is not None
-                y[:, c:c + n].addmm_(v[:, lo:lo + p.dense.A.shape[0]], p.dense.B, beta=beta)
-                c += n
-        c0 += sum(widths)
-        at += len(starts)
-
-
-def _batched_expand(y: torch.Tensor, v: torch.Tensor, packs: Sequence[LoraPack], outs: Sequence[int],
-                    beta: float = 1.0) -> bool:
-    """A run's expands as one batched matmul onto y's first columns (added, or with beta 0
-    written over them), where its projections have equal lanes and widths and their B's lie side
-    by side; whether it could."""
+def _batched_expand(y: torch.Tensor, v: torch.Tensor, packs: Sequence[LoraPack], outs: Sequence[int]) -> bool:
+    """A run's expands as one batched matmul onto y's first columns, where its projections have
+    equal lanes and widths and their B's lie side by side; whether it could."""
     n = len(packs)
     Bs = [p.dense.B for p in packs if p.dense is not None]
     if n < 2 or len(Bs) != n or len(set(outs)) != 1 or len({b.shape[0] for b in Bs}) != 1 \
@@ -626,8 +607,7 @@ def _batched_expand(y: torch.Tensor, v: torch.Tensor, packs: Sequence[LoraPack],
     lanes, width = Bs[0].shape
     tokens = y.shape[0]
     y[:, :n * width].view(tokens, n, width).transpose(0, 1).baddbmm_(
-        v.view(tokens, n, lanes).transpose(0, 1), Bs[0].as_strided((n, lanes, width), (lanes * width, width, 1)),
-        beta=beta)
+        v.view(tokens, n, lanes).transpose(0, 1), Bs[0].as_strided((n, lanes, width), (lanes * width, width, 1)))
     return True
 
 
