@@ -476,12 +476,15 @@ def policy_search(model: str, prompt_len: int, gen_len: int, num_prompts: int | 
     click.echo(f"bottleneck  {p.bottleneck}")
     click.echo("memory      " + ", ".join(f"{t} {v / gib:.2f} GiB" for t, v in p.memory.items()))
     if ranks:
-        from flexoff.policy.cost_model import lora_host_ranks, lora_per_block
+        from flexoff.policy.cost_model import lora_host_ranks, lora_per_block, lora_staged
 
         width = sum(spec.lora_width(j) for j in range(len(spec.layers)))
         used, mean = lora_per_block(work, best.policy.block_size)
         held = used * mean * width * work.elem_bytes / gib
-        where = "on the GPU" if best.policy.w_gpu_percent >= 100 else "paged in with each layer's weights"
+        where = "paged in with each layer's weights"
+        if best.policy.w_gpu_percent >= 100:
+            where = "on the GPU" + (" (as much again for the next block's, staged)"
+                                    if lora_staged(work, best.policy.block_size) else "")
         cached = lora_host_ranks(work, best.policy.block_size) * width * work.elem_bytes / gib
         click.echo(f"lora        {len(ranks)} adapters (mean rank {mean:g}) on every linear layer; a block uses "
                    f"{used}: {held:.2f} GiB {where}, {cached:.2f} GiB cached in CPU memory (the rest read "

@@ -26,7 +26,7 @@ Names follow the FlexGen paper:
 | cpu_mem_bdw, host_read_bdw | bytes/s of a host memcpy (read plus write); host memory serves the link's copies and CPU attention's reads together at the profile's measured host_read_bdw, else at HOST_READ_OVER_MEMCPY times cpu_mem_bdw (decode pairs; not in FlexGen) |
 | ctog, gtoc, dtoc, ctod, comp | a layer's seconds of each transfer, and of compute |
 | host, host_step_s, packed_host_step_s, lora_host_step_s | a layer's seconds of host work: one engine step per GPU batch (with 4-bit weights, the packed step), and what LoRA adds to a step; over a decode pair, combined with the link's seconds as a norm (HOST_WEIGHT, HOST_NORM) (not in FlexGen) |
-| lora_W, lora_F | LoRA: bytes of the adapters a block uses on every linear, and delta FLOPs per token (not in FlexGen); held on the GPU beside resident weights, else paged with each layer's weights (link traffic, a page per weight slot); every adapter of the job also in host memory |
+| lora_W, lora_F | LoRA: bytes of the adapters a block uses on every linear, and delta FLOPs per token (not in FlexGen); held on the GPU beside resident weights (with the next block's, staged while a block runs, for a job of several blocks), else paged with each layer's weights (link traffic, a page per weight slot); every adapter of the job also in host memory |
 | T_pre, T_gen | a layer's prefill time, and its average decode time per token |
 | T | block latency: sum over layers of T_pre + (n - 1) T_gen |
 """
@@ -133,6 +133,12 @@ def lora_per_block(work: Workload, bls: int) -> tuple[int, float]:
     return used, sum(ranks) / len(ranks)
 
 
+def lora_staged(work: Workload, bls: int) -> bool:
+    """Whether a job of blocks of bls rows holds the next block's adapters on the GPU beside the
+    current block's (resident weights: staged while a block runs, when there is a next block)."""
+    return bool(work.lora_ranks) and (work.num_prompts is None or work.num_prompts > bls)
+
+
 def lora_host_ranks(work: Workload, bls: int) -> float:
     """The adapters' host memory as a sum of ranks on every linear layer: the held ones, and of
     those read from files the cache of CACHE_BLOCKS blocks' adapters (all of them, if fewer)."""
@@ -225,6 +231,7 @@ class CostModel:
         self.lora_layer = {k: used * mean * width[k] * eb for k in KINDS}  # bytes per layer
         per_rank = sum(spec.lora_width(j) for j in range(len(spec.layers))) * eb  # bytes of rank 1 on every layer
         self.lora_bytes = used * mean * per_rank
+        self.lora_stage = self.lora_bytes if lora_staged(work, choice.bls) else 0.0  # the next block's, staged
         self.lora_F = {k: 2 * mean * width[k] for k in KINDS}
         # the held adapters' host copies, and the cache of those read from files, whatever the placement
         self.lora_host = lora_host_ranks(work, choice.bls) * per_rank
@@ -431,7 +438,7 @@ class CostModel:
         return {
             "gpu": x["wg"] * self.W_total + self.slots * self.slot_bytes(x["wg"]) + cache["gpu"]
             + x["hg"] * act + self.load_ring_bytes(x["hg"]) + working
-            + x["wg"] * self.lora_bytes + self.slots * (1 - x["wg"]) * max(self.lora_layer.values()),
+            + x["wg"] * (self.lora_bytes + self.lora_stage) + self.slots * (1 - x["wg"]) * max(self.lora_layer.values()),
             "cpu": x["wc"] * self.W_total + cache["cpu"] + x["hc"] * act + self.lora_host,
             "disk": x["wd"] * self.W_total + cache["disk"] + x["hd"] * act,
         }

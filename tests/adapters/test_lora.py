@@ -366,17 +366,18 @@ def test_adapters_are_counted_by_the_plan_and_the_cost_model(tiny, tmp_path, cap
     spec = ModelSpec.from_config("dummy:llama-7b", dummy_config("llama-7b"))
     width = sum(sum(t.shape) for l in spec.layers if l.kind in ("attn", "mlp") for t in l.tensors if t.matmul)
     x = {"wg": 1, "wc": 0, "wd": 0, "cg": 1, "cc": 0, "cd": 0, "hg": 1, "hc": 0, "hd": 0}
-    plain = CostModel(spec, h200(), Workload(512, 32), Choice(8, 1))
-    lora = CostModel(spec, h200(), Workload(512, 32, lora_ranks=(8, 16, 64)), Choice(8, 1))
-    assert lora.memory(x)["gpu"] - plain.memory(x)["gpu"] == (8 + 16 + 64) * width * 2
+    plain = CostModel(spec, h200(), Workload(512, 32, num_prompts=8), Choice(8, 1))
+    lora = CostModel(spec, h200(), Workload(512, 32, num_prompts=8, lora_ranks=(8, 16, 64)), Choice(8, 1))
+    assert lora.memory(x)["gpu"] - plain.memory(x)["gpu"] == (8 + 16 + 64) * width * 2  # one block: its adapters
     mlp_width = sum(sum(t.shape) for t in spec.layers[2].tensors if t.matmul)
     extra = lora.terms(x)[("g", "mlp")]["comp"] - plain.terms(x)[("g", "mlp")]["comp"]
     assert math.isclose(extra, 8 * 2 * (88 / 3) * mlp_width / h200().mm_flops_g)
-    # 300 prompts grouped by adapter: a block of 8 uses 2 of the 3 adapters; streamed weights bring
-    # their pages of each layer over the link, and the GPU holds one page per weight slot
+    # 300 prompts grouped by adapter: a block of 8 uses 2 of the 3 adapters, and the next block's
+    # are staged beside them; streamed weights bring their pages of each layer over the link, and
+    # the GPU holds one page per weight slot
     grouped = CostModel(spec, h200(), Workload(512, 32, num_prompts=300, lora_ranks=(8, 16, 64)), Choice(8, 1))
     plain_n = CostModel(spec, h200(), Workload(512, 32, num_prompts=300), Choice(8, 1))
-    assert math.isclose(grouped.memory(x)["gpu"] - plain_n.memory(x)["gpu"], 2 * 88 / 3 * width * 2)
+    assert math.isclose(grouped.memory(x)["gpu"] - plain_n.memory(x)["gpu"], 2 * 2 * 88 / 3 * width * 2)
     xs = {**x, "wg": 0, "wc": 1}
     assert math.isclose(grouped.memory(xs)["gpu"] - plain_n.memory(xs)["gpu"],
                         grouped.slots * 2 * 88 / 3 * mlp_width * 2)
@@ -399,7 +400,7 @@ def test_adapters_are_counted_by_the_plan_and_the_cost_model(tiny, tmp_path, cap
     out = capsys.readouterr().out
     block = math.prod(int(n) for n in out.split("policy", 1)[1].split()[0].split("x"))  # e.g. 64x2
     used = min(4, block)  # adapters of mean rank 12 (8 and 16, two each); a block's rows use at most 4
-    assert code == 0 and f"a block uses {used}: {used * 12 * width * 2 / 2**30:.2f} GiB on the GPU" in out
+    assert code == 0 and f"a block uses {used}: {used * 12 * width * 2 / 2**30:.2f} GiB on the GPU (as much again" in out
     for bad in (["--lora-ranks", "8,x"], ["--lora-ranks", "0"], ["--lora-adapters", "3"]):
         code = main(["policy", "search", "--model", "dummy:llama-7b", "--prompt-len", "8", "--gen-len", "2",
                      "--hardware", "h200", *bad])
