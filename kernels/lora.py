@@ -20,9 +20,10 @@ many tokens (prefill) go in tiles of tokens through tl.dot: the shrink reads eac
 output once. Where the pool lays a matmul's adapters out as one matrix of rank lanes (`Dense`:
 resident adapters), decode rows go densely instead: one cuBLAS matmul shrinks every token onto
 every lane (beside the base matmul, on a stream of its own), a mask keeps each token's own
-adapter's lanes times its scale, and one more matmul per projection adds their expansion to
-y. The lanes' bytes are read once, not once per token, and three launches replace the
-per-token passes, whose cost was their latency (benchmarks/lora_step.py).
+adapter's lanes times its scale, and one batched matmul for stacked projections (else one per
+projection) adds their expansion to y. The lanes' bytes are read once, not once per token, and
+a few launches replace the per-token passes, whose cost was their latency
+(benchmarks/lora_step.py).
 Does not know: where adapters come from, which rows have which adapter.
 """
 
@@ -456,8 +457,8 @@ def lora_linears(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, outs:
     the kernels (where `_kernels` says, or `kernels` forces them): decode rows of packs with
     lanes (a resident pool's) go densely with DENSE (`_dense_linears`); other decode rows on a
     CUDA device with SIDE_STREAM compute the deltas on a stream of their own while the base
-    matmul runs (neither fills the GPU's memory bandwidth alone at decode sizes) and add them after; other
-    rows with WRITE_FIRST (the default) have the expands write scale * v @ B.T + b into each
+    matmul runs (neither fills the GPU's memory bandwidth alone at decode sizes) and add them
+    after; other rows with WRITE_FIRST (the default) have the expands write scale * v @ B.T + b into each
     projection's columns and the base matmul add itself onto them (cuBLAS reads them in its
     epilogue, so y is read and written once less), else have the deltas added after the
     matmul. Which way is faster at a shape changed from one H100 run to the next
@@ -582,23 +583,21 @@ def _dense_linears(xf: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ou
         y = F.linear(xf, w, b)
     c0, at = 0, 0
     for (_, starts), v in zip(runs, vs):
-        if BATCHED_EXPAND and _batched_expand(y[:, c0:], v, packs[at:at + len(starts)], outs[at:at + len(starts)]):
-            c0 += sum(outs[at:at + len(starts)])
-            at += len(starts)
-            continue
-        for k, lo in enumerate(starts):
-            p = packs[at + k]
-            assert p.dense is not None
-            n = outs[at + k]
-            y[:, c0:c0 + n].addmm_(v[:, lo:lo + p.dense.A.shape[0]], p.dense.B)
-            c0 += n
+        mine, widths = packs[at:at + len(starts)], outs[at:at + len(starts)]
+        if not (BATCHED_EXPAND and _batched_expand(y[:, c0:], v, mine, widths)):
+            c = c0
+            for lo, p, n in zip(starts, mine, widths):
+                assert p.dense is not None
+                y[:, c:c + n].addmm_(v[:, lo:lo + p.dense.A.shape[0]], p.dense.B)
+                c += n
+        c0 += sum(widths)
         at += len(starts)
     return y
 
 
 def _batched_expand(y: torch.Tensor, v: torch.Tensor, packs: Sequence[LoraPack], outs: Sequence[int]) -> bool:
     """A run's expands as one batched matmul onto y's first columns, where its projections have
-    equal lanes and widths and their B's lie side by side; whether it could."""
+    equal lanes (v: theirs side by side) and widths and their B's lie side by side; whether it could."""
     n = len(packs)
     Bs = [p.dense.B for p in packs if p.dense is not None]
     if n < 2 or len(Bs) != n or len(set(outs)) != 1 or len({b.shape[0] for b in Bs}) != 1 \

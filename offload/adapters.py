@@ -8,16 +8,17 @@ with room for CACHE_BLOCKS blocks' adapters (a job's blocks group rows by adapte
 read about once), the next block's read by a thread of its own while the current one runs;
 held adapters (made in memory, trained) keep theirs; a block
 (the adapters its rows use, in index order); two ways of holding a block on the device:
-- resident (the weights are on the device too): a cache of adapters laid out per matmul, in one
-  buffer: for each adapted matmul `lanes` rank lanes, A's of the layer's matmuls side by side
-  (in the model's order: q, k and v stack) and then their B's transposed, each adapter's rank
-  lanes of a matmul one run; adapters are copied once and kept while every matmul has lanes to
-  spare (emptied when a block's adapters do not fit beside them), so blocks that share adapters
-  copy nothing; for a job of several blocks, a staging buffer that the next block's adapters
-  are copied into (each adapter one copy, on a copy stream of their own) while this block
-  runs, and moved from into their lanes in one launch (`kernels.copies`) when it begins; each lane's owner (its adapter's index in the block, -1 for none) and scale
-  sit in device tables, so a decode step shrinks onto every lane with one dense matmul
-  (`kernels.lora.Dense`);
+- resident (the weights are on the device too): a cache of adapters laid out per matmul in one
+  buffer: each adapted matmul has as many rank lanes as a block of the job needs there, the A's
+  of a layer's matmuls side by side (in the model's order, so q, k and v stack), then their B's
+  transposed, each adapter's lanes of a matmul one run; each lane's owner (its adapter's index
+  in the block, -1 for none) and scale sit in device tables, so a decode step shrinks onto
+  every lane with one dense matmul (`kernels.lora.Dense`). Adapters are copied once and kept
+  while every matmul has lanes to spare (emptied when a block's adapters do not fit beside
+  them), so blocks that share adapters copy nothing. A job of several blocks also has a staging
+  buffer: while a block runs, the next block's adapters are copied into it (one copy each, on
+  a copy stream of their own), and when that block begins they move into their lanes in one
+  launch (`kernels.copies`);
 - paged (the weights stream from CPU or disk): the block's segments of one layer copied into
   the staging slot that layer's weights go to, on the same copy lane, when the weights are
   prefetched (one copy per adapter and layer, in one lane task), so adapters ride each weight
@@ -511,27 +512,23 @@ class AdapterPool:
                 if sum(h.slots[key].rank for h in hosts if key in h.slots) > self._lanes.get(key, 0):
                     raise RuntimeError(f"internal: a block's adapters in {key} exceed the lanes planned for it")
         staged = self._staging(missing)
-        runs: list[tuple[int, int, int]] = []  # (source, destination, elements): A and B of each matmul
+        assert self._buf is not None
+        moves: list[tuple[int, int, int]] = []  # (source, destination, elements) from the staging buffer
         for h in missing:
-            lanes = {}
+            lanes, mine = {}, []  # each matmul's A and B: (where in the adapter, where in the cache, elements)
             for key, s in h.slots.items():
                 lane = lanes[key] = self._tops.get(key, 0)
                 self._tops[key] = lane + s.rank
                 (a0, b0, _), (fan_in, fan_out) = self._regions[key], self._fans[key]
-                runs += [(s.a_off, a0 + lane * fan_in, s.rank * fan_in), (s.b_off, b0 + lane * fan_out, s.rank * fan_out)]
+                mine += [(s.a_off, a0 + lane * fan_in, s.rank * fan_in), (s.b_off, b0 + lane * fan_out, s.rank * fan_out)]
             self._cached[h.name] = lanes
-        assert self._buf is not None
-        at, moves = 0, []  # from the staging buffer, in one launch
-        for h in missing:
-            mine = runs[at:at + 2 * len(h.slots)]
-            at += len(mine)
             if h.name in staged:
                 moves += [(staged[h.name] + src, dst, n) for src, dst, n in mine]
                 continue
             flat = self.host(h.name).flat  # no staging buffer (a job of one block), or no room left in it
             for src, dst, n in mine:
                 self._buf[dst:dst + n].copy_(flat[src:src + n], non_blocking=True)
-        if moves:
+        if moves:  # in one launch
             copy_runs(self._stage, self._buf, moves)
 
     def _staging(self, missing: list[HostAdapter]) -> dict[str, int]:
