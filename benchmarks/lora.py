@@ -6,7 +6,9 @@ Knows: three parts, each comparison measured in one run:
   for prompts that each draw an adapter uniformly at random from a population (1000 adapters,
   ranks drawn from 8/16/32/64, on every linear layer), against the same prompts without LoRA;
   "warm" runs find the adapters already on the device (a job whose blocks reuse them), "cold"
-  runs copy every adapter of the block first (a block of adapters not seen before). Only the
+  runs copy every adapter of the block first (a block of adapters not seen before); over several
+  blocks (`--prompts`), a run's first block copies its adapters and each later one finds them
+  staged while the block before it ran, whichever the variant. Only the
   adapters the prompts draw are made (random values, made on the device, kept in host memory,
   or with `--adapter-dir` written as PEFT folders and read from their files as blocks use them:
   before each timed run the host cache then keeps only the first block's, as a long job's
