@@ -207,7 +207,8 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
         extra = {"adapters": args.adapters, "used_adapters": len(used), "mean_rank": mean_rank,
                  "deltas": "first" if L.WRITE_FIRST else "after",
                  "decode_tiling": args.decode_tiling, "prefill_tiling": args.prefill_tiling,
-                 "side_stream": args.side_stream, "dense": args.dense, "stacked": args.stacked, "stacked_prefill": args.stacked_prefill,
+                 "side_stream": args.side_stream, "dense": args.dense, "stacked": args.stacked,
+                 "stacked_prefill": args.stacked_prefill,
                  "policy": m.last_policy.describe(), "auto": auto, "setup_adapters_s": made, "job_prompts": job,
                  "adapters_from": "files" if args.adapter_dir else "memory",
                  "adapter_host_bytes": m.adapter_host_bytes(m.engine.adapter_need),  # what the plan counts

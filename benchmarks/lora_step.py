@@ -31,8 +31,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import cuda_missing, environment, gpu_seconds, table, write_jsonl  # noqa: E402
+from lora import RANKS, profiled  # noqa: E402
 
-RANKS = (8, 16, 32, 64)
 GROUPS = (("attn", ("q_proj", "k_proj", "v_proj")), ("attn", ("o_proj",)), ("mlp", ("gate_proj", "up_proj")),
           ("mlp", ("down_proj",)))
 
@@ -76,12 +76,12 @@ def run_group(variant: str, weights: dict, xs: dict, pool: Any, ids: torch.Tenso
 
 
 def setup(model: str, rows: int, blocks: int, device: str) -> tuple[Any, dict, dict, dict]:
-    """The model's spec, its first `blocks` blocks' stacked base weights by (layer, group), inputs
-    by width and each group's projection widths."""
+    """The model's spec, its first `blocks` blocks' (0: all) stacked base weights by (layer,
+    group), inputs by width and each group's projection widths."""
     from flexoff.checkpoint import load_model
 
     spec = load_model(model).spec
-    layers = [j for j, layer in enumerate(spec.layers) if layer.kind in ("attn", "mlp")][:2 * blocks]
+    layers = [j for j, lay in enumerate(spec.layers) if lay.kind in ("attn", "mlp")][:2 * (blocks or spec.num_layers)]
     shapes = {t.name: t.shape for layer in spec.layers for t in layer.tensors if t.matmul}
     weights = {}
     for j in layers:
@@ -108,21 +108,18 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if cuda_missing("lora_step.py"):
         return 2
-    from flexoff.checkpoint import load_model
-
-    blocks = args.blocks or load_model(args.model).spec.num_layers
-    spec, weights, xs, outs = setup(args.model, args.rows, blocks, "cuda")
+    spec, weights, xs, outs = setup(args.model, args.rows, args.blocks, "cuda")
+    blocks = args.blocks or spec.num_layers
     rows, env, profiles = [], environment(), {}
     for n in [int(a) for a in args.adapters.split(",")]:
         pool, names = block_of(spec, n, args.rows, args.seed, torch.device("cuda"))
         ids, host = pool.ids(names)
-        times = {}
-        for v in args.variants.split(","):
-            times[v] = gpu_seconds(lambda: [run_group(v, weights, xs, pool, ids, host, outs, k) for k in weights], 1)
+        def step(v: str) -> Any:
+            return lambda: [run_group(v, weights, xs, pool, ids, host, outs, k) for k in weights]
+
+        times = {v: gpu_seconds(step(v), 1) for v in args.variants.split(",")}
         for v in [v for v in args.profile.split(",") if v]:
-            from lora import profiled
-            profiles[(n, v)] = profiled(f"{n} adapters, {v}",
-                                        lambda: [run_group(v, weights, xs, pool, ids, host, outs, k) for k in weights])
+            profiles[(n, v)] = profiled(f"{n} adapters, {v}", step(v))
         key = next(iter(weights))  # the ways agree: the first group's outputs, densely and by the passes
         got = {v: torch.cat(run_group(v, weights, xs, pool, ids, host, outs, key), -1).float()
                for v in ("dense", "passes")}

@@ -35,6 +35,8 @@ from typing import NamedTuple, Sequence
 import torch
 import torch.nn.functional as F
 
+from flexoff.models.base import stacked
+
 try:
     import triton
     import triton.language as tl
@@ -530,29 +532,29 @@ def lane_mask(v: torch.Tensor, ids: torch.Tensor, owner: torch.Tensor, scale: to
     return lane_mask_ref(v, ids, owner, scale, per_row)
 
 
-def _follows(t: torch.Tensor, before: torch.Tensor) -> bool:
-    """Whether t begins where `before` ends in memory."""
-    return t.data_ptr() == before.data_ptr() + before.numel() * before.element_size()
+class _Run(NamedTuple):
+    """Packs whose lanes one matmul shrinks onto: their lane matrices, owners and scales as one
+    each, and each pack's first lane in them."""
+    A: torch.Tensor
+    owner: torch.Tensor
+    scale: torch.Tensor
+    starts: list[int]
 
 
-def _lane_runs(packs: Sequence[LoraPack]) -> list[tuple[Dense, list[int]]]:
-    """The packs' lanes as runs that one matmul shrinks onto: packs whose lane matrices, owners
-    and scales lie side by side in memory (q, k, v in the pool's layout) as one `Dense` over all
-    their lanes, with each pack's first lane in it; any other pack a run of its own."""
-    runs: list[tuple[Dense, list[int]]] = []
+def _lane_runs(packs: Sequence[LoraPack]) -> list[_Run]:
+    """The packs' lanes as runs: consecutive packs whose lane matrices, owners and scales lie
+    side by side in memory (q, k, v in the pool's layout) as one run; any other pack a run of its own."""
+    runs: list[_Run] = []
     for p in packs:
         d = p.dense
         assert d is not None
         if runs:
-            r, starts = runs[-1]
-            if d.A.shape[1] == r.A.shape[1] and _follows(d.A, r.A) and _follows(d.owner, r.owner) \
-                    and _follows(d.scale, r.scale):
-                n = r.A.shape[0] + d.A.shape[0]
-                runs[-1] = (Dense(r.A.as_strided((n, r.A.shape[1]), r.A.stride()), r.B,
-                                  r.owner.as_strided((n,), (1,)), r.scale.as_strided((n,), (1,))),
-                            starts + [r.A.shape[0]])
+            r = runs[-1]
+            A, owner, scale = stacked([r.A, d.A]), stacked([r.owner, d.owner]), stacked([r.scale, d.scale])
+            if A is not None and owner is not None and scale is not None:
+                runs[-1] = _Run(A, owner, scale, r.starts + [r.A.shape[0]])
                 continue
-        runs.append((d, [0]))
+        runs.append(_Run(d.A, d.owner, d.scale, [0]))
     return runs
 
 
@@ -562,12 +564,12 @@ def _dense_linears(xf: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ou
     (on a side stream beside the base matmul, with SIDE_STREAM on CUDA), then each projection's
     masked lanes expanded onto its columns of y."""
     runs = _lane_runs(packs)
-    vs = [torch.empty(xf.shape[0], d.A.shape[0], dtype=xf.dtype, device=xf.device) for d, _ in runs]  # on main
+    vs = [torch.empty(xf.shape[0], r.A.shape[0], dtype=xf.dtype, device=xf.device) for r in runs]  # on main
 
     def shrink() -> None:
-        for (d, _), v in zip(runs, vs):
-            torch.mm(xf, d.A.t(), out=v)
-            lane_mask(v, ids32, d.owner, d.scale, per_row)
+        for r, v in zip(runs, vs):
+            torch.mm(xf, r.A.t(), out=v)
+            lane_mask(v, ids32, r.owner, r.scale, per_row)
 
     side = SIDE_STREAM and xf.is_cuda
     if side:
@@ -582,16 +584,16 @@ def _dense_linears(xf: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ou
         shrink()
         y = F.linear(xf, w, b)
     c0, at = 0, 0
-    for (_, starts), v in zip(runs, vs):
-        mine, widths = packs[at:at + len(starts)], outs[at:at + len(starts)]
+    for r, v in zip(runs, vs):
+        mine, widths = packs[at:at + len(r.starts)], outs[at:at + len(r.starts)]
         if not (BATCHED_EXPAND and _batched_expand(y[:, c0:], v, mine, widths)):
             c = c0
-            for lo, p, n in zip(starts, mine, widths):
+            for lo, p, n in zip(r.starts, mine, widths):
                 assert p.dense is not None
                 y[:, c:c + n].addmm_(v[:, lo:lo + p.dense.A.shape[0]], p.dense.B)
                 c += n
         c0 += sum(widths)
-        at += len(starts)
+        at += len(r.starts)
     return y
 
 
@@ -600,13 +602,15 @@ def _batched_expand(y: torch.Tensor, v: torch.Tensor, packs: Sequence[LoraPack],
     equal lanes (v: theirs side by side) and widths and their B's lie side by side; whether it could."""
     n = len(packs)
     Bs = [p.dense.B for p in packs if p.dense is not None]
-    if n < 2 or len(Bs) != n or len(set(outs)) != 1 or len({b.shape[0] for b in Bs}) != 1 \
-            or not all(_follows(b, a) for a, b in zip(Bs, Bs[1:])):
+    if n < 2 or len(Bs) != n or len(set(outs)) != 1 or len({b.shape[0] for b in Bs}) != 1:
+        return False
+    B = stacked(Bs)
+    if B is None:
         return False
     lanes, width = Bs[0].shape
     tokens = y.shape[0]
     y[:, :n * width].view(tokens, n, width).transpose(0, 1).baddbmm_(
-        v.view(tokens, n, lanes).transpose(0, 1), Bs[0].as_strided((n, lanes, width), (lanes * width, width, 1)))
+        v.view(tokens, n, lanes).transpose(0, 1), B.view(n, lanes, width))
     return True
 
 

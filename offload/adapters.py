@@ -520,7 +520,8 @@ class AdapterPool:
                 lane = lanes[key] = self._tops.get(key, 0)
                 self._tops[key] = lane + s.rank
                 (a0, b0, _), (fan_in, fan_out) = self._regions[key], self._fans[key]
-                mine += [(s.a_off, a0 + lane * fan_in, s.rank * fan_in), (s.b_off, b0 + lane * fan_out, s.rank * fan_out)]
+                mine += [(s.a_off, a0 + lane * fan_in, s.rank * fan_in),
+                         (s.b_off, b0 + lane * fan_out, s.rank * fan_out)]
             self._cached[h.name] = lanes
             if h.name in staged:
                 moves += [(staged[h.name] + src, dst, n) for src, dst, n in mine]
@@ -544,12 +545,16 @@ class AdapterPool:
         self._stage_hosts = []
         staged, self._staged = self._staged, {}
         out = {h.name: staged[h.name] for h in missing if h.name in staged}
-        top = max((staged[n] + self.adapters[n].numel for n in staged), default=0)
+        top = self._stage_end(staged)
         for h in missing:
             if h.name not in out and top + h.numel <= self._stage.numel():
                 self._stage[top:top + h.numel].copy_(self.host(h.name).flat, non_blocking=True)
                 out[h.name], top = top, top + h.numel
         return out
+
+    def _stage_end(self, staged: Mapping[str, int]) -> int:
+        """The first element of the staging buffer after these staged adapters."""
+        return max((at + self.adapters[n].numel for n, at in staged.items()), default=0)
 
     def _stage_next(self, names: Iterable[str | None], main: Any) -> None:
         """Resident with a staging buffer on CUDA (`main`: the stream that computes): start copying
@@ -566,7 +571,7 @@ class AdapterPool:
         if self._copier is None:
             self._copier = torch.cuda.Stream(self.device)
         self._copier.wait_stream(main)
-        top = max((self._staged[n] + self.adapters[n].numel for n in self._staged), default=0)
+        top = self._stage_end(self._staged)
         with torch.cuda.stream(self._copier):
             for h in hosts:
                 if top + h.numel > self._stage.numel():

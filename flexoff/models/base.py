@@ -79,14 +79,14 @@ def stacked_with_bias(ws: Sequence[Any], bs: Sequence[torch.Tensor | None]
                       ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """The weights as one matrix and their biases as one vector (None where none has a bias),
     if both already lie stacked in memory; None otherwise."""
-    w = _stacked(ws)
-    b = None if all(t is None for t in bs) else _stacked(bs)
+    w = stacked(ws)
+    b = None if all(t is None for t in bs) else stacked(bs)
     if w is None or (b is None and any(t is not None for t in bs)):
         return None
     return w, b
 
 
-def _stacked(ts: Sequence[Any]) -> torch.Tensor | None:
+def stacked(ts: Sequence[Any]) -> torch.Tensor | None:
     """The tensors as one, concatenated along dim 0, if they already lie so in memory."""
     if not all(isinstance(t, torch.Tensor) and t.is_contiguous() for t in ts):
         return None

@@ -400,7 +400,8 @@ def test_adapters_are_counted_by_the_plan_and_the_cost_model(tiny, tmp_path, cap
     out = capsys.readouterr().out
     block = math.prod(int(n) for n in out.split("policy", 1)[1].split()[0].split("x"))  # e.g. 64x2
     used = min(4, block)  # adapters of mean rank 12 (8 and 16, two each); a block's rows use at most 4
-    assert code == 0 and f"a block uses {used}: {used * 12 * width * 2 / 2**30:.2f} GiB on the GPU (as much again" in out
+    gib = used * 12 * width * 2 / 2**30
+    assert code == 0 and f"a block uses {used}: {gib:.2f} GiB on the GPU (as much again" in out
     for bad in (["--lora-ranks", "8,x"], ["--lora-ranks", "0"], ["--lora-adapters", "3"]):
         code = main(["policy", "search", "--model", "dummy:llama-7b", "--prompt-len", "8", "--gen-len", "2",
                      "--hardware", "h200", *bad])
