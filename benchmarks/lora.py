@@ -197,7 +197,12 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
         if args.adapter_dir is not None:  # as in a long job: only the first block's adapters were read before
             pool, first = m.adapter_pool(), set(sorted(names)[:m.last_policy.block_size])
             before = lambda: pool.drop_host_cache(first)  # noqa: E731
-        runs = [("warm", timed(m, prompts, args.gen_len, names, before, policy=with_lora))]
+        modes = (args.segments or L.SEGMENTS).split(",")
+        runs = []
+        for mode in modes:  # each way of the prefill's segments in turn, in this one engine
+            L.SEGMENTS = mode
+            label = "warm" if len(modes) == 1 else f"warm-segments-{mode}"
+            runs.append((label, timed(m, prompts, args.gen_len, names, before, policy=with_lora)))
         prof = profiled("lora prefill", lambda: m.generate(prompts, max_new_tokens=1, adapters=names,
                                                            policy=with_lora)) if args.profile else None
         prof_decode = decode_profile("lora", m, prompts, names, with_lora, args.gen_len) if args.profile_decode \
@@ -208,7 +213,7 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
                  "deltas": "first" if L.WRITE_FIRST else "after",
                  "decode_tiling": args.decode_tiling, "prefill_tiling": args.prefill_tiling,
                  "side_stream": args.side_stream, "dense": args.dense, "stacked": args.stacked,
-                 "stacked_prefill": args.stacked_prefill,
+                 "stacked_prefill": args.stacked_prefill, "segments": ",".join(modes),
                  "policy": m.last_policy.describe(), "auto": auto, "setup_adapters_s": made, "job_prompts": job,
                  "adapters_from": "files" if args.adapter_dir else "memory",
                  "adapter_host_bytes": m.adapter_host_bytes(m.engine.adapter_need),  # what the plan counts
@@ -398,6 +403,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stacked", choices=("on", "off"), default="on",
                     help="population: stacked projections' decode deltas (q, k, v; gate, up) in one launch, "
                          "or one each")
+    ap.add_argument("--segments", default=None,
+                    help="population: prefill deltas by segments of rows of one adapter through cuBLAS "
+                         "(kernels.lora.SEGMENTS, its default if not given: expand, both or off); a comma list times "
+                         "each in one engine")
     ap.add_argument("--stacked-prefill", choices=("on", "off"), default="on",
                     help="population: the same for prefill tiles (the shrink reads x once for all)")
     ap.add_argument("--decode-configs", default=None,

@@ -23,7 +23,10 @@ every lane (beside the base matmul, on a stream of its own), a mask keeps each t
 adapter's lanes times its scale, and one batched matmul for stacked projections (else one per
 projection) adds their expansion to y. The lanes' bytes are read once, not once per token, and
 a few launches replace the per-token passes, whose cost was their latency
-(benchmarks/lora_step.py).
+(benchmarks/lora_step.py). Prefill rows in long runs of one adapter (a job's blocks group rows
+by adapter), each row's adapter known on the host, go one run at a time through cuBLAS
+(`_segment_deltas`), whose expand writes the outputs faster than the Triton expand over mixed
+adapters does.
 Does not know: where adapters come from, which rows have which adapter.
 """
 
@@ -134,6 +137,12 @@ WRITE_FIRST = True  # lora_linears, tiles: the deltas written first and the base
 SIDE_STREAM = True  # lora_linears, decode rows on CUDA: deltas beside the base matmul on a stream of their own
 STACKED = True  # lora_linears, decode rows: stacked projections' deltas in one launch of each pass (`_stack`)
 TILES_STACKED = True  # the same for tiles (prefill), whose shrink then reads each tile of x once for all
+# lora_linears, tiles (prefill) with WRITE_FIRST, no bias, each row's adapter known on the host: where
+# rows run in groups of one adapter (a job's blocks group them) of SEGMENT_TOKENS tokens or more on
+# average, each group's deltas go through cuBLAS (`_segment_deltas`): "expand" (the Triton shrink,
+# cuBLAS's expands), "both" (cuBLAS's shrinks too) or "off" (the Triton passes)
+SEGMENTS = "expand"
+SEGMENT_TOKENS = 2048
 
 
 if HAVE_TRITON:
@@ -463,7 +472,8 @@ def lora_linears(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, outs:
     after; other rows with WRITE_FIRST (the default) have the expands write scale * v @ B.T + b into each
     projection's columns and the base matmul add itself onto them (cuBLAS reads them in its
     epilogue, so y is read and written once less), else have the deltas added after the
-    matmul. Which way is faster at a shape changed from one H100 run to the next
+    matmul; written first, rows in long runs of one adapter go by segments (`_segments`).
+    Which way is faster at a shape changed from one H100 run to the next
     (`benchmarks/lora.py --parts kernel`); the 1000-adapter population ran the same either way."""
     if not (kernels if kernels is not None else _kernels(x)):
         return [lora_delta_ref(x, y, ids, p, host_ids) for y, p in zip(F.linear(x, w, b).split(list(outs), -1), packs)]
@@ -497,12 +507,99 @@ def lora_linears(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, outs:
         y += d
     elif WRITE_FIRST:
         y = torch.empty(xf.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
-        deltas(y, False, b)
+        runs = _segments(host_ids, per_row, xf.shape[0]) if tiles and b is None else None
+        if runs is not None:
+            _segment_deltas(xf, y, ids32, per_row, packs, outs, runs, stack)
+        else:
+            deltas(y, False, b)
         y.addmm_(xf, w.t())
     else:
         y = F.linear(xf, w, b)
         deltas(y, True, None)
     return list(y.view(*x.shape[:-1], w.shape[0]).split(list(outs), -1))
+
+
+class _Segment(NamedTuple):
+    """Tokens [lo, hi) of rows that share one adapter (-1: the base model)."""
+    lo: int
+    hi: int
+    adapter: int
+
+
+def _segments(host_ids: tuple[int, ...] | None, per_row: int, tokens: int) -> list[_Segment] | None:
+    """The rows as runs of one adapter, where SEGMENTS is on, the ids are known on the host and
+    the runs average SEGMENT_TOKENS tokens or more; else None (the Triton passes)."""
+    if SEGMENTS == "off" or host_ids is None or len(host_ids) * per_row != tokens:
+        return None
+    out: list[_Segment] = []
+    for r, a in enumerate(host_ids):
+        if out and out[-1].adapter == a:
+            out[-1] = out[-1]._replace(hi=(r + 1) * per_row)
+        else:
+            out.append(_Segment(r * per_row, (r + 1) * per_row, a))
+    return out if len(out) * SEGMENT_TOKENS <= tokens else None
+
+
+def _spaced(ts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """Contiguous tensors of one shape at equal distances in one storage as one (n, ...) view."""
+    t0 = ts[0]
+    if not all(t.is_contiguous() and t.shape == t0.shape and t.dtype == t0.dtype
+               and t.untyped_storage().data_ptr() == t0.untyped_storage().data_ptr() for t in ts):
+        return None
+    gaps = {b.data_ptr() - a.data_ptr() for a, b in zip(ts, ts[1:])}
+    if len(gaps) != 1:
+        return None
+    gap = gaps.pop()
+    if gap <= 0 or gap % t0.element_size():
+        return None
+    return t0.as_strided((len(ts), *t0.shape), (gap // t0.element_size(), *t0.stride()))
+
+
+def _segment_deltas(xf: torch.Tensor, y: torch.Tensor, ids32: torch.Tensor, per_row: int,
+                    packs: Sequence[LoraPack], outs: Sequence[int], runs: Sequence[_Segment],
+                    stack: _Stack | None) -> None:
+    """Each projection's deltas, scale * (x @ A.T) @ B.T, written over its columns of y (zeros
+    for the base model's rows and for adapters that leave a projection alone), one segment of
+    rows of one adapter at a time through cuBLAS: its expand writes y near the copy bandwidth,
+    where a Triton expand over mixed adapters wrote it at half of that. With SEGMENTS "expand"
+    the shrink is still the Triton pass over every row (it reads x once for a stack), with
+    "both" a cuBLAS matmul per segment. Projections of equal ranks, scales and widths whose
+    A's and B's lie at equal distances (q, k and v in a resident pool) go as one batched matmul."""
+    vs: list[torch.Tensor] | None = None  # the Triton shrink's output per projection
+    v_all: torch.Tensor | None = None  # the same for a stack as one (projections, tokens, lanes)
+    if SEGMENTS != "both":
+        if stack is not None:
+            v_all = lora_shrink(xf, ids32, packs[0], per_row, True, stack)
+            vs = list(v_all)
+        else:
+            vs = [lora_shrink(xf, ids32, p, per_row, True) for p in packs]
+    starts = [sum(outs[:i]) for i in range(len(outs))]
+    for lo, hi, a in runs:
+        if a < 0:
+            y[lo:hi].zero_()
+            continue
+        x = xf[lo:hi]
+        ranks = [p.ranks[a] for p in packs]
+        if (len(packs) > 1 and len(set(ranks)) == 1 and ranks[0] and len({p.scales[a] for p in packs}) == 1
+                and len(set(outs)) == 1 and (vs is None or v_all is not None)):
+            As, Bs = zip(*(p.weights(a) for p in packs))
+            B3 = _spaced(Bs)
+            A3 = _spaced(As) if v_all is None else None
+            if B3 is not None and (v_all is not None or A3 is not None):
+                n, r, N = B3.shape
+                # the shrink for all n at once: x broadcast, not copied (a batch stride of 0)
+                v = v_all[:, lo:hi, :r] if A3 is None else torch.bmm(x.expand(n, *x.shape), A3.transpose(1, 2))
+                y[lo:hi, :n * N].view(hi - lo, n, N).transpose(0, 1).baddbmm_(v, B3, beta=0,
+                                                                            alpha=packs[0].scales[a])
+                continue
+        for i, (p, c, N) in enumerate(zip(packs, starts, outs)):
+            out = y[lo:hi, c:c + N]
+            if not ranks[i]:
+                out.zero_()
+                continue
+            A, B = p.weights(a)
+            v = x @ A.t() if vs is None else vs[i][lo:hi, :ranks[i]]
+            out.addmm_(v, B, beta=0, alpha=p.scales[a])
 
 
 def lane_mask_ref(v: torch.Tensor, ids: torch.Tensor, owner: torch.Tensor, scale: torch.Tensor,

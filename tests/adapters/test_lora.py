@@ -500,15 +500,19 @@ def test_training_sweep_lora_gradients_equal_peft_autograd(tiny, tmp_path, polic
         assert len(pairs) >= 6
 
 
-@pytest.mark.parametrize("batched", [False, True])
-def test_resident_pool_decodes_densely_as_each_adapter_would(batched, monkeypatch):
+@pytest.mark.skipif(not __import__("flexoff.kernels.lora", fromlist=["HAVE_TRITON"]).HAVE_TRITON,
+                    reason="triton is not installed")
+@pytest.mark.parametrize("batched,segments", [(False, "expand"), (True, "expand"), (True, "both")])
+def test_resident_pool_computes_deltas_as_each_adapter_would(batched, segments, monkeypatch):
     """A resident pool lays each matmul's adapters out as rank lanes (q, k and v side by side, so
     one matmul shrinks onto all three): decode rows through them (lora_linears' dense way) equal
     x @ w.T + b plus each row's own adapter's delta from its modules, for adapters of mixed ranks
     that adapt different matmuls, base rows, blocks of a row per token and of three, a block
     that leaves a cached adapter it does not use beside its own (whose index that adapter had
     before), and one that empties the cache; the plan's lanes per matmul are the most any
-    block's adapters take there."""
+    block's adapters take there. Prefill rows (20 tokens, no bias) go by segments of one
+    adapter through cuBLAS (`segments`: after the Triton shrink, or with cuBLAS's shrinks),
+    projections of equal ranks and widths (gate and up) as one batched matmul."""
     from types import SimpleNamespace
 
     from flexoff.adapters.peft import Adapter, LoraModule
@@ -517,6 +521,22 @@ def test_resident_pool_decodes_densely_as_each_adapter_would(batched, monkeypatc
     from flexoff.offload.adapters import AdapterPool
 
     monkeypatch.setattr(L, "BATCHED_EXPAND", batched)
+    monkeypatch.setattr(L, "SEGMENTS", segments)
+    monkeypatch.setattr(L, "SEGMENT_TOKENS", 1)
+    calls = {"segments": 0, "grouped": 0}
+    real_segments, real_spaced = L._segment_deltas, L._spaced
+
+    def segmented(*a, **k):
+        calls["segments"] += 1
+        return real_segments(*a, **k)
+
+    def spaced(ts):
+        got = real_spaced(ts)
+        calls["grouped"] += got is not None and len(ts[0]) > 0 and ts[0].shape[1] == 160  # gate and up's B
+        return got
+
+    monkeypatch.setattr(L, "_segment_deltas", segmented)
+    monkeypatch.setattr(L, "_spaced", spaced)
     spec = load_model("dummy:llama-tiny").spec  # grouped KV heads: k and v narrower than q
     g = torch.Generator().manual_seed(0)
     mats = [(j, t.name, t.shape) for j, lay in enumerate(spec.layers) if lay.kind in ("attn", "mlp")
@@ -543,11 +563,12 @@ def test_resident_pool_decodes_densely_as_each_adapter_would(batched, monkeypatc
     assert need.resident == sum(r * sum(shape) for (j, n, shape) in mats for r in [lanes[(j, n)]])
     resident = SimpleNamespace(splits=[SimpleNamespace(resident=True)], slots=[])
     groups = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+    prefills = 0
     for blk, cached in zip(blocks, [{"a", "b"}, {"a", "b"}, {"c", "d"}, {"d", "a"}]):
         pool.begin(blk, need, resident)
         assert set(pool._cached) == cached
         ids, host = pool.ids(blk)
-        for per_row in (1, 3):
+        for per_row in (1, 3, 20):
             for j in sorted({j for j, _, _ in mats}):
                 for group in groups:
                     keys = [(j, f"{p}.weight") for p in group]
@@ -558,7 +579,8 @@ def test_resident_pool_decodes_densely_as_each_adapter_would(batched, monkeypatc
                     outs = [p.fan_out for p in packs]
                     x = torch.randn(len(blk), per_row, packs[0].fan_in, generator=g, dtype=torch.float64)
                     w = torch.randn(sum(outs), packs[0].fan_in, generator=g, dtype=torch.float64)
-                    b = torch.randn(sum(outs), generator=g, dtype=torch.float64)
+                    b = torch.randn(sum(outs), generator=g, dtype=torch.float64) if per_row < 16 else None
+                    prefills += per_row >= 16
                     got = torch.cat(L.lora_linears(x, w, b, outs, ids, packs, host, kernels=True), -1)
                     want = torch.nn.functional.linear(x, w, b)
                     for r, name in enumerate(blk):
@@ -568,18 +590,29 @@ def test_resident_pool_decodes_densely_as_each_adapter_would(batched, monkeypatc
                             if m is not None:
                                 want[r, :, c0:c0 + n] += m.scaling * (x[r] @ m.A.t()) @ m.B.t()
                             c0 += n
-                    assert (got - want).abs().max() <= 1e-10 * want.abs().max(), (blk, keys)
+                    assert (got - want).abs().max() <= 1e-10 * want.abs().max(), (blk, keys, per_row)
+    assert calls["segments"] == prefills  # every prefill went by segments
+    assert calls["grouped"] > 0
 
 
 @pytest.mark.skipif(not __import__("flexoff.kernels.lora", fromlist=["HAVE_TRITON"]).HAVE_TRITON,
                     reason="triton is not installed")
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
-def test_the_kernels_in_the_engine_equal_peft(tiny, name, tmp_path, monkeypatch):
+@pytest.mark.parametrize("segments", ["tiles", "expand", "both"])
+def test_the_kernels_in_the_engine_equal_peft(tiny, name, segments, tmp_path, monkeypatch):
     """With the kernels serving the engine (on the CPU through TRITON_INTERPRET): resident
     weights decode through the pool's rank lanes densely, and a prompt of 20 tokens prefills in
-    tiles; per row, greedy tokens equal PEFT's with the row's adapter active, over blocks that
-    find adapters cached and blocks that copy their own."""
+    tiles (the Triton passes, or by segments of rows of one adapter through cuBLAS); per row,
+    greedy tokens equal PEFT's with the row's adapter active, over blocks that find adapters
+    cached and blocks that copy their own."""
     from flexoff.kernels import lora as L
+
+    if segments != "tiles":  # rows of 20 tokens are segments long enough
+        monkeypatch.setattr(L, "SEGMENTS", segments)
+        monkeypatch.setattr(L, "SEGMENT_TOKENS", 1)
+    segmented = []
+    real_segments = L._segment_deltas
+    monkeypatch.setattr(L, "_segment_deltas", lambda *a, **k: segmented.append(1) or real_segments(*a, **k))
 
     path = tiny[name].path
     adapters = make_adapters(path, name, tmp_path)
@@ -594,3 +627,4 @@ def test_the_kernels_in_the_engine_equal_peft(tiny, name, tmp_path, monkeypatch)
         got = llm.generate([{"prompt_ids": p, "adapter": a} for a, p in zip(assign, prompts)], max_new_tokens=6)
     assert [c.token_ids for c in got.completions] == want
     assert dense
+    assert bool(segmented) == (segments != "tiles")

@@ -262,21 +262,30 @@ def test_training_sweep_on_the_gpu_matches_the_cpu(tiny):
         assert rel_err(a.cpu()[bt.valid], b[bt.valid]) < 1e-3
 
 
-def test_lora_adapters_on_the_gpu_equal_peft(tiny, tmp_path, monkeypatch):
+@pytest.mark.parametrize("segments", ["tiles", "expand", "both"])
+def test_lora_adapters_on_the_gpu_equal_peft(tiny, tmp_path, monkeypatch, segments):
     """Mixed adapters (the Triton kernels; resident weights: the dense decode, and over several
-    blocks the next block's adapters staged while one runs) in float16 on the GPU against PEFT in
-    float16 on the GPU."""
+    blocks the next block's adapters staged while one runs; prompts padded to 20 tokens prefill
+    in tiles, or by segments of rows of one adapter through cuBLAS) in float16 on the GPU
+    against PEFT in float16 on the GPU."""
+    from flexoff.kernels import lora as L
     from flexoff.offload.adapters import AdapterPool
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from reference import make_adapters
 
+    if segments != "tiles":
+        monkeypatch.setattr(L, "SEGMENTS", segments)
+        monkeypatch.setattr(L, "SEGMENT_TOKENS", 1)
+    segmented = []
+    real_segments = L._segment_deltas
+    monkeypatch.setattr(L, "_segment_deltas", lambda *a, **k: segmented.append(1) or real_segments(*a, **k))
     path = tiny["llama"].path
     adapters = make_adapters(path, "llama", tmp_path)
-    assign = ["a", None, "b", "c", "a"]
+    prompts, assign = PROMPTS + [list(range(3, 23))], ["a", None, "b", "c", "a", "b"]
     want = []
-    for a, p in zip(assign, PROMPTS):
+    for a, p in zip(assign, prompts):
         model = AutoModelForCausalLM.from_pretrained(path).half().cuda().eval()
         if a is not None:
             model = PeftModel.from_pretrained(model, adapters[a]).half().eval()
@@ -292,11 +301,12 @@ def test_lora_adapters_on_the_gpu_equal_peft(tiny, tmp_path, monkeypatch):
             llm.policy_arg = policy
             with warnings.catch_warnings(record=True) as caught:  # the decode graphs capture the side stream too
                 warnings.simplefilter("always")
-                got = llm.generate([{"prompt_ids": p, "adapter": a} for a, p in zip(assign, PROMPTS)],
+                got = llm.generate([{"prompt_ids": p, "adapter": a} for a, p in zip(assign, prompts)],
                                    max_new_tokens=8)
             assert not [w for w in caught if "graph capture failed" in str(w.message)]
             assert [c.token_ids for c in got.completions] == want, policy.describe()
     assert any(staged)  # three blocks of two rows: adapters moved into their lanes from the staging buffer
+    assert bool(segmented) == (segments != "tiles")
 
 
 @pytest.mark.parametrize("policy", [Policy(gpu_batch_size=2, num_gpu_batches=2),
