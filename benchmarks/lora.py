@@ -127,7 +127,6 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
         L.WRITE_FIRST = args.deltas == "first"
     L.SIDE_STREAM = args.side_stream == "on"
     L.DENSE = args.dense == "on"
-    L.LANE_SHRINK = args.lane_shrink == "on"
     L.STACKED = args.stacked == "on"
     L.TILES_STACKED = args.stacked_prefill == "on"
     L.DECODE.update(json.loads(args.decode_tiling))
@@ -213,8 +212,7 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
         extra = {"adapters": args.adapters, "used_adapters": len(used), "mean_rank": mean_rank,
                  "deltas": "first" if L.WRITE_FIRST else "after",
                  "decode_tiling": args.decode_tiling, "prefill_tiling": args.prefill_tiling,
-                 "side_stream": args.side_stream, "dense": args.dense, "lane_shrink": args.lane_shrink,
-                 "stacked": args.stacked,
+                 "side_stream": args.side_stream, "dense": args.dense, "stacked": args.stacked,
                  "stacked_prefill": args.stacked_prefill, "segments": ",".join(modes),
                  "policy": m.last_policy.describe(), "auto": auto, "setup_adapters_s": made, "job_prompts": job,
                  "adapters_from": "files" if args.adapter_dir else "memory",
@@ -402,9 +400,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dense", choices=("on", "off"), default="on",
                     help="population: decode deltas of resident adapters through dense matmuls over the pool's "
                          "rank lanes (kernels.lora.DENSE), or the token-by-token passes")
-    ap.add_argument("--lane-shrink", choices=("on", "off"), default="on",
-                    help="population: the dense way's shrink through Triton's partial sums (kernels.lora.LANE_SHRINK), "
-                         "or cuBLAS's matmul and the mask")
     ap.add_argument("--stacked", choices=("on", "off"), default="on",
                     help="population: stacked projections' decode deltas (q, k, v; gate, up) in one launch, "
                          "or one each")

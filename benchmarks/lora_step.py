@@ -6,11 +6,9 @@ attention, sampling or the host.
 Knows: the ways compared, each through `lora_linears` on the same block of adapters held as the
 engine's adapter pool holds them when the weights are resident (rank lanes per matmul):
 - `base`: the base matmuls alone;
-- `dense`: as the engine runs decode rows (kernels.lora.DENSE): one shrink of every token onto
-  every lane, a mask keeps its own adapter's, one batched matmul expands a stack's lanes
+- `dense`: as the engine runs decode rows (kernels.lora.DENSE): one matmul shrinks every token
+  onto every lane, a mask keeps its own adapter's, one batched matmul expands a stack's lanes
   (q, k, v; gate, up), the shrink beside the base matmul on a stream of its own;
-- `dense-cublas`: the same with cuBLAS's matmul and the mask's kernel for the shrink (LANE_SHRINK
-  off), where `dense` runs Triton's partial sums and their masked sum (`lane_shrink`);
 - `dense-unbatched`: the same with one matmul per projection's expand;
 - `dense-inline`: `dense` on one stream;
 - `passes`: the token-by-token shrink and expand kernels (DENSE off; what a paged pool runs),
@@ -22,7 +20,6 @@ Rows are grouped by adapter (as a job's blocks group them). Prints a table, writ
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -56,10 +53,9 @@ def block_of(spec: Any, n: int, rows: int, seed: int, device: torch.device) -> t
     return pool, names
 
 
-FLAGS = ("DENSE", "SIDE_STREAM", "BATCHED_EXPAND", "LANE_SHRINK")
-VARIANTS = {"base": None, "dense": (True, True, True, True), "dense-cublas": (True, True, True, False),
-            "dense-unbatched": (True, True, False, True), "dense-inline": (True, False, True, True),
-            "passes": (False, True, False, True), "passes-inline": (False, False, False, True)}  # FLAGS' values
+VARIANTS = {"base": None, "dense": (True, True, True), "dense-unbatched": (True, True, False),
+            "dense-inline": (True, False, True), "passes": (False, True, False),
+            "passes-inline": (False, False, False)}  # (DENSE, SIDE_STREAM, BATCHED_EXPAND)
 
 
 def run_group(variant: str, weights: dict, xs: dict, pool: Any, ids: torch.Tensor, host: tuple[int, ...],
@@ -70,15 +66,13 @@ def run_group(variant: str, weights: dict, xs: dict, pool: Any, ids: torch.Tenso
     w, x = weights[key], xs[weights[key].shape[1]]
     if VARIANTS[variant] is None:
         return [F.linear(x, w)]
-    saved = [getattr(L, f) for f in FLAGS]
-    for f, on in zip(FLAGS, VARIANTS[variant]):
-        setattr(L, f, on)
+    saved = L.DENSE, L.SIDE_STREAM, L.BATCHED_EXPAND
+    L.DENSE, L.SIDE_STREAM, L.BATCHED_EXPAND = VARIANTS[variant]
     try:
         packs = [pool.packs[(key[0], f"{p}.weight")] for p in key[1]]
         return L.lora_linears(x, w, None, outs[key], ids, packs, host, kernels=True)
     finally:
-        for f, on in zip(FLAGS, saved):
-            setattr(L, f, on)
+        L.DENSE, L.SIDE_STREAM, L.BATCHED_EXPAND = saved
 
 
 def setup(model: str, rows: int, blocks: int, device: str) -> tuple[Any, dict, dict, dict]:
@@ -108,16 +102,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=128)
     ap.add_argument("--blocks", type=int, default=0, help="transformer blocks (default: the model's)")
     ap.add_argument("--variants", default=",".join(VARIANTS))
-    ap.add_argument("--lane-tilings", default="[]",
-                    help="a JSON list of kernels.lora.LANES tilings to time `dense` with, each beside the default")
     ap.add_argument("--profile", default="", help="variants whose step runs under torch's profiler (a list)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/out/lora_step.jsonl"))
     args = ap.parse_args(argv)
     if cuda_missing("lora_step.py"):
         return 2
-    from flexoff.kernels import lora as L
-
     spec, weights, xs, outs = setup(args.model, args.rows, args.blocks, "cuda")
     blocks = args.blocks or spec.num_layers
     rows, env, profiles = [], environment(), {}
@@ -128,11 +118,6 @@ def main(argv: list[str] | None = None) -> int:
             return lambda: [run_group(v, weights, xs, pool, ids, host, outs, k) for k in weights]
 
         times = {v: gpu_seconds(step(v), 1) for v in args.variants.split(",")}
-        default = dict(L.LANES)
-        for tiling in json.loads(args.lane_tilings):  # `dense` again with each shrink tiling
-            L.LANES = {**default, **tiling}
-            times[f"dense {json.dumps(tiling)}"] = gpu_seconds(step("dense"), 1)
-        L.LANES = default
         for v in [v for v in args.profile.split(",") if v]:
             profiles[(n, v)] = profiled(f"{n} adapters, {v}", step(v))
         key = next(iter(weights))  # the ways agree: the first group's outputs, densely and by the passes

@@ -18,10 +18,9 @@ up) whose packs share the pool's buffer and tables go through one launch of each
 many tokens (prefill) go in tiles of tokens through tl.dot: the shrink reads each input once
 (stacked projections too: their programs for one tile run side by side), the expand each
 output once. Where the pool lays a matmul's adapters out as one matrix of rank lanes (`Dense`:
-resident adapters), decode rows go densely instead: one shrink of every token onto every lane
-(beside the base matmul, on a stream of its own; in half precision Triton's partial sums over
-splits of the input, where cuBLAS's split-K reduction cost more than its matmul), masked to each
-token's own adapter's lanes times its scale, and one batched matmul for stacked projections (else one per
+resident adapters), decode rows go densely instead: one cuBLAS matmul shrinks every token onto
+every lane (beside the base matmul, on a stream of its own), a mask keeps each token's own
+adapter's lanes times its scale, and one batched matmul for stacked projections (else one per
 projection) adds their expansion to y. The lanes' bytes are read once, not once per token, and
 a few launches replace the per-token passes, whose cost was their latency
 (benchmarks/lora_step.py). Prefill rows in long runs of one adapter (a job's blocks group rows
@@ -133,10 +132,6 @@ DECODE = {"lanes_from": 16, "lane_k": 0, "split_k": 256, "bk": 512, "split_bk": 
           "erc": 0, "bn": 256, "warps": 4}
 PREFILL = {"bm": 128, "bk": 64, "bn": 128, "ebm": 64, "blocks": 8, "warps": 8, "ewarps": 4, "estages": 3}
 DENSE = True  # lora_linears, decode rows of packs with lanes (`Dense`): the dense matmuls, not the passes
-# The dense shrink's Triton tiling at decode shapes (`lane_shrink`): tokens and lanes a program,
-# inputs a step, and the programs to aim for (splits of the input make up the difference).
-LANES = {"bt": 128, "bl": 64, "bk": 64, "programs": 264, "warps": 4}
-LANE_SHRINK = True  # the dense way's shrink of float16/bfloat16 rows through `lane_shrink`, not cuBLAS
 BATCHED_EXPAND = True  # the dense way: a stack's expands as one batched matmul where lanes and widths match
 WRITE_FIRST = True  # lora_linears, tiles: the deltas written first and the base matmul added onto them
 SIDE_STREAM = True  # lora_linears, decode rows on CUDA: deltas beside the base matmul on a stream of their own
@@ -291,39 +286,16 @@ if HAVE_TRITON:
 
 
     @triton.jit
-    def _lane_mask(P, V, IDS, OWNER, SCALE, per_row, L, sp, sv, SPLITS, TS, BL: tl.constexpr):
-        """Program (token, block of BL lanes): the sum of the token's SPLITS partials (P, TS
-        elements apart; one: v itself) times the lane's scale where the lane is the token's
-        adapter's, else 0, written to V."""
+    def _lane_mask(V, IDS, OWNER, SCALE, per_row, L, sv, BL: tl.constexpr):
+        """Program (token, block of BL lanes): v times the lane's scale where the lane is the
+        token's adapter's, else 0."""
         tok, lb = tl.program_id(0).to(tl.int64), tl.program_id(1)
         a = tl.load(IDS + tok // per_row)
         ls = lb * BL + tl.arange(0, BL)
         lm = ls < L
         own = tl.load(OWNER + ls, mask=lm, other=-1)
-        v = tl.zeros((BL,), tl.float32)
-        for s in range(0, SPLITS):  # in a fixed order: the result does not depend on timing
-            v += tl.load(P + s * TS + tok * sp + ls, mask=lm, other=0.0).to(tl.float32)
-        v *= tl.load(SCALE + ls, mask=lm, other=0.0)
+        v = tl.load(V + tok * sv + ls, mask=lm, other=0.0).to(tl.float32) * tl.load(SCALE + ls, mask=lm, other=0.0)
         tl.store(V + tok * sv + ls, tl.where((own == a) & (own >= 0), v, 0.0).to(V.dtype.element_ty), mask=lm)
-
-    @triton.jit
-    def _lane_partial(X, A, P, T, L, K, KS, sx, sa, BT: tl.constexpr, BL: tl.constexpr, BK: tl.constexpr):
-        """Program (block of BL lanes, split of KS inputs, block of BT tokens): the tokens' x
-        over the split times those lanes' A, as float32 partial sums in P[split]: the dense
-        shrink in programs enough to fill the GPU at decode's few tokens, where cuBLAS split
-        the inputs too and reduced the splits in a kernel that took longer than its matmul."""
-        lb, sp, tb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        toks = tb * BT + tl.arange(0, BT)
-        ls = lb * BL + tl.arange(0, BL)
-        tm, lm = toks < T, ls < L
-        acc = tl.zeros((BT, BL), tl.float32)
-        for k0 in range(sp * KS, tl.minimum(sp * KS + KS, K), BK):
-            c = k0 + tl.arange(0, BK)
-            cm = c < K
-            x = tl.load(X + toks[:, None].to(tl.int64) * sx + c[None, :], mask=tm[:, None] & cm[None, :], other=0.0)
-            a = tl.load(A + ls[None, :].to(tl.int64) * sa + c[:, None], mask=lm[None, :] & cm[:, None], other=0.0)
-            acc += tl.dot(x, a)
-        tl.store(P + (sp * T + toks[:, None]).to(tl.int64) * L + ls[None, :], acc, mask=tm[:, None] & lm[None, :])
 
 
 class _Stack(NamedTuple):
@@ -641,14 +613,11 @@ def lane_mask_ref(v: torch.Tensor, ids: torch.Tensor, owner: torch.Tensor, scale
 
 
 def lane_mask_triton(v: torch.Tensor, ids: torch.Tensor, owner: torch.Tensor, scale: torch.Tensor,
-                     per_row: int, partials: torch.Tensor | None = None) -> torch.Tensor:
-    """lane_mask_ref's kernel (ids int32; v's lanes of unit stride), or the same over the sum of
-    `partials` (splits, tokens, lanes) written to v."""
+                     per_row: int) -> torch.Tensor:
+    """lane_mask_ref's kernel (ids int32; v's lanes of unit stride)."""
     tokens, lanes = v.shape
-    p = partials if partials is not None else v[None]
     bl = 1024
-    _lane_mask[(tokens, triton.cdiv(lanes, bl))](p, v, ids, owner, scale, per_row, lanes, p.stride(1), v.stride(0),
-                                                 p.shape[0], p.stride(0), BL=bl)
+    _lane_mask[(tokens, triton.cdiv(lanes, bl))](v, ids, owner, scale, per_row, lanes, v.stride(0), BL=bl)
     return v
 
 
@@ -658,39 +627,6 @@ def lane_mask(v: torch.Tensor, ids: torch.Tensor, owner: torch.Tensor, scale: to
     if HAVE_TRITON and v.is_cuda:
         return lane_mask_triton(v, ids, owner, scale, per_row)
     return lane_mask_ref(v, ids, owner, scale, per_row)
-
-
-def lane_shrink_ref(x: torch.Tensor, A: torch.Tensor, ids: torch.Tensor, owner: torch.Tensor,
-                    scale: torch.Tensor, per_row: int, out: torch.Tensor) -> torch.Tensor:
-    """Every token of x (tokens, in) onto every lane of A (lanes, in), masked as lane_mask does,
-    into out (tokens, lanes)."""
-    return lane_mask_ref(torch.mm(x, A.t(), out=out), ids, owner, scale, per_row)
-
-
-def lane_shrink_triton(x: torch.Tensor, A: torch.Tensor, ids: torch.Tensor, owner: torch.Tensor,
-                       scale: torch.Tensor, per_row: int, out: torch.Tensor) -> torch.Tensor:
-    """lane_shrink_ref's kernels (x and A of unit stride in the inputs, ids int32): partial sums
-    over splits of the input (as many as fill LANES["programs"] programs), then their sum masked
-    and scaled into out."""
-    (T, K), L, c = x.shape, A.shape[0], LANES
-    bt = max(16, min(c["bt"], triton.next_power_of_2(T)))
-    blocks = triton.cdiv(L, c["bl"]) * triton.cdiv(T, bt)
-    splits = max(1, min(triton.cdiv(K, c["bk"]), c["programs"] // blocks))
-    ks = triton.cdiv(triton.cdiv(K, splits), c["bk"]) * c["bk"]
-    splits = triton.cdiv(K, ks)
-    p = torch.empty(splits, T, L, dtype=torch.float32, device=x.device)
-    _lane_partial[(triton.cdiv(L, c["bl"]), splits, triton.cdiv(T, bt))](
-        x, A, p, T, L, K, ks, x.stride(0), A.stride(0), BT=bt, BL=c["bl"], BK=c["bk"], num_warps=c["warps"])
-    return lane_mask_triton(out, ids, owner, scale, per_row, p)
-
-
-def lane_shrink(x: torch.Tensor, A: torch.Tensor, ids: torch.Tensor, owner: torch.Tensor, scale: torch.Tensor,
-                per_row: int, out: torch.Tensor) -> torch.Tensor:
-    """The dispatch: the kernels for float16/bfloat16 on CUDA with LANE_SHRINK (cuBLAS's matmul,
-    float32's precision, elsewhere), else cuBLAS's matmul and the mask's kernel, or the reference."""
-    if HAVE_TRITON and x.is_cuda and LANE_SHRINK and x.dtype != torch.float32:
-        return lane_shrink_triton(x, A, ids, owner, scale, per_row, out)
-    return lane_mask(torch.mm(x, A.t(), out=out), ids, owner, scale, per_row)
 
 
 class _Run(NamedTuple):
@@ -721,15 +657,16 @@ def _lane_runs(packs: Sequence[LoraPack]) -> list[_Run]:
 
 def _dense_linears(xf: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, outs: Sequence[int],
                    ids32: torch.Tensor, packs: Sequence[LoraPack], per_row: int) -> torch.Tensor:
-    """Decode rows through the packs' lanes (`Dense`): the masked shrink onto every lane
-    (`lane_shrink`; on a side stream beside the base matmul, with SIDE_STREAM on CUDA), then
-    each projection's masked lanes expanded onto its columns of y."""
+    """Decode rows through the packs' lanes (`Dense`): the shrink onto every lane and the mask
+    (on a side stream beside the base matmul, with SIDE_STREAM on CUDA), then each projection's
+    masked lanes expanded onto its columns of y."""
     runs = _lane_runs(packs)
     vs = [torch.empty(xf.shape[0], r.A.shape[0], dtype=xf.dtype, device=xf.device) for r in runs]  # on main
 
     def shrink() -> None:
         for r, v in zip(runs, vs):
-            lane_shrink(xf, r.A, ids32, r.owner, r.scale, per_row, v)
+            torch.mm(xf, r.A.t(), out=v)
+            lane_mask(v, ids32, r.owner, r.scale, per_row)
 
     side = SIDE_STREAM and xf.is_cuda
     if side:
