@@ -306,7 +306,8 @@ class AdapterPool:
                         self._host.setdefault(n, h)
                 self._evict(current | set(want))
                 if main is not None:
-                    self._stage_next(want, main)
+                    with torch.inference_mode():  # thread-local: the staging buffer may be an inference tensor
+                        self._stage_next(want, main)
             except BaseException as e:  # raised by wait(), in the thread that runs the blocks
                 failed.append(e)
 

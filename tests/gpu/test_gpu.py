@@ -4,6 +4,7 @@ against transformers on the GPU, the Triton kernels against their references, an
 from __future__ import annotations
 
 import copy
+import threading
 import warnings
 
 import pytest
@@ -292,11 +293,17 @@ def test_lora_adapters_on_the_gpu_equal_peft(tiny, tmp_path, monkeypatch, segmen
         out = model.generate(input_ids=torch.tensor([p], device="cuda"), max_new_tokens=8, do_sample=False,
                              attention_mask=torch.ones(1, len(p), dtype=torch.long, device="cuda"), pad_token_id=0)
         want.append(out[0, len(p):].tolist())
-    staged = []
-    real = AdapterPool._staging
+    staged, read_ahead = [], []
+    real, real_next = AdapterPool._staging, AdapterPool._stage_next
     monkeypatch.setattr(AdapterPool, "_staging", lambda self, m: staged.append(out := real(self, m)) or out)
+
+    def stage_next(self, names, main):
+        real_next(self, names, main)
+        read_ahead.append((threading.current_thread().name, len(self._staged)))
+
+    monkeypatch.setattr(AdapterPool, "_stage_next", stage_next)
     with LLM(str(path), device="cuda", dtype="float16", lora=adapters) as llm:
-        for policy in (Policy(gpu_batch_size=5), Policy(gpu_batch_size=2),
+        for policy in (Policy(gpu_batch_size=2), Policy(gpu_batch_size=5),
                        Policy(gpu_batch_size=2, num_gpu_batches=3, w_gpu_percent=0, w_cpu_percent=100)):
             llm.policy_arg = policy
             with warnings.catch_warnings(record=True) as caught:  # the decode graphs capture the side stream too
@@ -306,6 +313,9 @@ def test_lora_adapters_on_the_gpu_equal_peft(tiny, tmp_path, monkeypatch, segmen
             assert not [w for w in caught if "graph capture failed" in str(w.message)]
             assert [c.token_ids for c in got.completions] == want, policy.describe()
     assert any(staged)  # three blocks of two rows: adapters moved into their lanes from the staging buffer
+    # the first policy's blocks read the next block's adapters from their files in the reader's
+    # thread, which staged them on the device too
+    assert any(thread == "flexoff-adapters" and n for thread, n in read_ahead), read_ahead
     assert bool(segmented) == (segments != "tiles")
 
 
