@@ -106,8 +106,9 @@ def _registered(nbytes: int) -> torch.Tensor:
 def _host_register(t: torch.Tensor) -> None:
     """Pin existing host memory (no power-of-two rounding, unlike torch's pinned allocator)."""
     err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
-    if int(getattr(err, "value", err)) != 0:
-        raise MemoryBudgetError(f"could not pin {t.numel() / GiB:.2f} GiB of host memory (CUDA error {err}); "
+    code = int(getattr(err, "value", err))
+    if code != 0:
+        raise MemoryBudgetError(f"could not pin {t.numel() / GiB:.2f} GiB of host memory (CUDA error {code}); "
                                 "lower --cpu-mem or the batch size")
 
 
