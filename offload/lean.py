@@ -141,7 +141,12 @@ class LeanDecoder:
 
     def _capture(self, b: _Batch) -> None:
         """Capture b's step (the engine's graphs share one memory pool); on failure warn once and
-        decode eagerly from then on."""
+        decode eagerly from then on. The adapter pool's reader (the next block's adapters, read
+        from their files and pinned while this block runs) finishes first: CUDA's global capture
+        mode refuses calls such as pinning host memory from other threads during a capture (the
+        likely cause of a pin that failed in a 4-block job reading adapters from files, H200)."""
+        if self.engine.adapters is not None:
+            self.engine.adapters.wait()
         try:
             b.capture(self.pool)
             self.pool = b.graph.pool()

@@ -302,6 +302,16 @@ def test_lora_adapters_on_the_gpu_equal_peft(tiny, tmp_path, monkeypatch, segmen
         read_ahead.append((threading.current_thread().name, len(self._staged)))
 
     monkeypatch.setattr(AdapterPool, "_stage_next", stage_next)
+    from flexoff.offload import lean
+
+    readers = []  # the adapter reader at each decode graph's capture: none may run then
+    real_capture = lean._Batch.capture
+
+    def capture(self, pool):
+        readers.append(self.dec.engine.adapters._reading)
+        real_capture(self, pool)
+
+    monkeypatch.setattr(lean._Batch, "capture", capture)
     with LLM(str(path), device="cuda", dtype="float16", lora=adapters) as llm:
         for policy in (Policy(gpu_batch_size=2), Policy(gpu_batch_size=5),
                        Policy(gpu_batch_size=2, num_gpu_batches=3, w_gpu_percent=0, w_cpu_percent=100)):
@@ -316,6 +326,7 @@ def test_lora_adapters_on_the_gpu_equal_peft(tiny, tmp_path, monkeypatch, segmen
     # the first policy's blocks read the next block's adapters from their files in the reader's
     # thread, which staged them on the device too
     assert any(thread == "flexoff-adapters" and n for thread, n in read_ahead), read_ahead
+    assert readers and all(r is None for r in readers)
     assert bool(segmented) == (segments != "tiles")
 
 
