@@ -697,18 +697,15 @@ def _dense_linears(xf: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ou
 
 def _batched_expand(y: torch.Tensor, v: torch.Tensor, packs: Sequence[LoraPack], outs: Sequence[int]) -> bool:
     """A run's expands as one batched matmul onto y's first columns, where its projections have
-    equal lanes (v: theirs side by side) and widths and their B's lie side by side; whether it could."""
+    equal lanes (v: theirs side by side) and widths and their B's lie at equal distances; whether it could."""
     n = len(packs)
     Bs = [p.dense.B for p in packs if p.dense is not None]
-    if n < 2 or len(Bs) != n or len(set(outs)) != 1 or len({b.shape[0] for b in Bs}) != 1:
-        return False
-    B = stacked(Bs)
+    B = _spaced(Bs) if n >= 2 and len(Bs) == n and len(set(outs)) == 1 else None
     if B is None:
         return False
-    lanes, width = Bs[0].shape
+    _, lanes, width = B.shape
     tokens = y.shape[0]
-    y[:, :n * width].view(tokens, n, width).transpose(0, 1).baddbmm_(
-        v.view(tokens, n, lanes).transpose(0, 1), B.view(n, lanes, width))
+    y[:, :n * width].view(tokens, n, width).transpose(0, 1).baddbmm_(v.view(tokens, n, lanes).transpose(0, 1), B)
     return True
 
 

@@ -392,11 +392,8 @@ class AdapterPool:
                 a_offs = [at[i] + s.a_off - lo[i] if s else 0 for i, s in enumerate(slots)]
                 b_offs = [at[i] + s.b_off - lo[i] if s else 0 for i, s in enumerate(slots)]
             else:
-                a0, b0, _ = self._regions[key]
-                fan_in, fan_out = self._fans[key]
-                lane = [self._cached[h.name].get(key, 0) for h in hosts]
-                a_offs = [a0 + lane[i] * fan_in if s else 0 for i, s in enumerate(slots)]
-                b_offs = [b0 + lane[i] * fan_out if s else 0 for i, s in enumerate(slots)]
+                at = [self._lane_at(key, self._cached[h.name][key]) if s else (0, 0) for h, s in zip(hosts, slots)]
+                a_offs, b_offs = [a for a, _ in at], [b for _, b in at]
             ranks = [s.rank if s else 0 for s in slots]
             scales = [s.scale if s else 0.0 for s in slots]
             p.ranks, p.a_offs, p.b_offs, p.scales = tuple(ranks), tuple(a_offs), tuple(b_offs), tuple(scales)
@@ -488,12 +485,16 @@ class AdapterPool:
                 first += lanes[k]
         return out, at
 
+    def _lane_at(self, key: Key, lane: int) -> tuple[int, int]:
+        """Resident: where lane `lane` of matmul `key` has its A row and its B row in the buffer."""
+        (a0, b0, _), (fan_in, fan_out) = self._regions[key], self._fans[key]
+        return a0 + lane * fan_in, b0 + lane * fan_out
+
     def _lane_views(self, key: Key, lane: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Resident: the A (rank, in) and B transposed (rank, out) of the adapter whose lanes in
         matmul `key` begin at `lane`."""
         assert self._buf is not None
-        (a0, b0, _), (fan_in, fan_out) = self._regions[key], self._fans[key]
-        a0, b0 = a0 + lane * fan_in, b0 + lane * fan_out
+        (a0, b0), (fan_in, fan_out) = self._lane_at(key, lane), self._fans[key]
         return (self._buf[a0:a0 + rank * fan_in].view(rank, fan_in),
                 self._buf[b0:b0 + rank * fan_out].view(rank, fan_out))
 
@@ -520,9 +521,8 @@ class AdapterPool:
             for key, s in h.slots.items():
                 lane = lanes[key] = self._tops.get(key, 0)
                 self._tops[key] = lane + s.rank
-                (a0, b0, _), (fan_in, fan_out) = self._regions[key], self._fans[key]
-                mine += [(s.a_off, a0 + lane * fan_in, s.rank * fan_in),
-                         (s.b_off, b0 + lane * fan_out, s.rank * fan_out)]
+                (a0, b0), (fan_in, fan_out) = self._lane_at(key, lane), self._fans[key]
+                mine += [(s.a_off, a0, s.rank * fan_in), (s.b_off, b0, s.rank * fan_out)]
             self._cached[h.name] = lanes
             if h.name in staged:
                 moves += [(staged[h.name] + src, dst, n) for src, dst, n in mine]
