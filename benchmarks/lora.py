@@ -31,6 +31,7 @@ time for gen_len tokens less the time for one, over gen_len - 1. Prints a table,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import faulthandler
 import gc
 import json
@@ -121,6 +122,7 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
     from flexoff.checkpoint import load_model
     from flexoff.finetune.run import linear_targets
     from flexoff.kernels import lora as L
+    from flexoff.offload import adapters as A
     from throughput import parse_policy
 
     if args.deltas is not None:
@@ -198,11 +200,20 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
             pool, first = m.adapter_pool(), set(sorted(names)[:m.last_policy.block_size])
             before = lambda: pool.drop_host_cache(first)  # noqa: E731
         modes = (args.segments or L.SEGMENTS).split(",")
-        runs = []
+        threads = [int(t) for t in args.read_threads.split(",")] if args.read_threads else [A.READ_THREADS]
+        runs, reads = [], {}
         for mode in modes:  # each way of the prefill's segments in turn, in this one engine
-            L.SEGMENTS = mode
-            label = "warm" if len(modes) == 1 else f"warm-segments-{mode}"
-            runs.append((label, timed(m, prompts, args.gen_len, names, before, policy=with_lora)))
+            for n in threads:  # and each number of threads reading adapter files
+                L.SEGMENTS, A.READ_THREADS = mode, n
+                label = "warm" + (f"-segments-{mode}" if len(modes) > 1 else "") + \
+                    (f"-read-threads-{n}" if len(threads) > 1 else "")
+                m.adapter_pool().reads = A.Reads()
+                runs.append((label, timed(m, prompts, args.gen_len, names, before, policy=with_lora)))
+                ar = m.adapter_pool().arena  # host copies pinned on their own and in the arena, so far
+                reads[label] = {**dataclasses.asdict(m.adapter_pool().reads),
+                                **({"pinned": ar.pinned, "in_arena": ar.taken} if ar is not None else {})}
+                if args.adapter_dir is not None:
+                    print(f"  reading adapters: {reads[label]}", file=sys.stderr, flush=True)
         prof = profiled("lora prefill", lambda: m.generate(prompts, max_new_tokens=1, adapters=names,
                                                            policy=with_lora)) if args.profile else None
         prof_decode = decode_profile("lora", m, prompts, names, with_lora, args.gen_len) if args.profile_decode \
@@ -219,7 +230,8 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
                  "adapter_host_bytes": m.adapter_host_bytes(m.engine.adapter_need),  # what the plan counts
                  **({"profile": prof} if prof else {}), **({"profile_decode": prof_decode} if prof_decode else {})}
     for v, (one, full) in runs:
-        r = record("flexoff", f"lora-{v}", rows, args.gen_len, one, full, **extra)
+        r = record("flexoff", f"lora-{v}", rows, args.gen_len, one, full, **extra,
+                   **({"reads": reads[v]} if args.adapter_dir is not None and v in reads else {}))
         r["vs_no_lora"] = r["generation_throughput"] / out[0]["generation_throughput"]
         out.append(r)
     return out
@@ -403,6 +415,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stacked", choices=("on", "off"), default="on",
                     help="population: stacked projections' decode deltas (q, k, v; gate, up) in one launch, "
                          "or one each")
+    ap.add_argument("--read-threads", default=None,
+                    help="population with --adapter-dir: threads reading the next block's adapter files "
+                         "(offload.adapters.READ_THREADS, its default if not given); a comma list times each in one "
+                         "engine")
     ap.add_argument("--segments", default=None,
                     help="population: prefill deltas by segments of rows of one adapter through cuBLAS "
                          "(kernels.lora.SEGMENTS, its default if not given: expand, both or off); a comma list times "

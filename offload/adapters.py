@@ -33,7 +33,9 @@ Does not know: PEFT's files (flexoff.adapters), the schedule, which rows go in w
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
 
@@ -43,7 +45,7 @@ import torch
 from flexoff.adapters.peft import Adapter
 from flexoff.kernels.copies import copy_runs
 from flexoff.kernels.lora import Dense, LoraPack, lora_delta, lora_linears
-from flexoff.offload.tiers import pinned_empty
+from flexoff.offload.tiers import PinnedArena
 from flexoff.policy.policy import CACHE_BLOCKS
 from flexoff.models.base import linear, materialize, stacked_with_bias
 
@@ -92,13 +94,28 @@ class Slot:
 
 
 WRITE_CHUNK = 32 << 20  # bytes of an adapter converted and copied to its host buffer at a time
+READ_THREADS = 1  # adapters the reader reads from their files at once
+
+
+@dataclass
+class Reads:
+    """What reading adapters from their files ahead of their blocks cost: adapters and bytes
+    read, seconds the reader took, and seconds the blocks waited for it."""
+    adapters: int = 0
+    bytes: int = 0
+    read_s: float = 0.0
+    waited_s: float = 0.0
+
+    def add(self, adapters: int, nbytes: int, seconds: float) -> None:
+        self.adapters, self.bytes, self.read_s = self.adapters + adapters, self.bytes + nbytes, self.read_s + seconds
 
 
 class HostAdapter:
     """One adapter in one flat host buffer: per layer, per adapted matmul (sorted by name), A
     (rank, in) then B transposed (rank, out)."""
 
-    def __init__(self, a: Adapter, dtype: torch.dtype, pin: bool):
+    def __init__(self, a: Adapter, dtype: torch.dtype, arena: PinnedArena | None = None):
+        """`arena`: where the buffer's pinned memory comes from (None: not pinned)."""
         self.name = a.name
         self.slots: dict[Key, Slot] = {}
         self.segments: dict[int, tuple[int, int]] = {}  # layer -> [first, end) elements
@@ -111,7 +128,11 @@ class HostAdapter:
             at += sh.numel
             self.segments[key[0]] = (lo, at)
         self.numel = at
-        self.flat = pinned_empty(at, dtype, self) if pin else torch.empty(at, dtype=dtype)
+        self.lease: Any = None  # the buffer's run of the arena, to give back when the copy is dropped
+        if arena is not None:
+            self.flat, self.lease = arena.take(at, dtype, self)
+        else:
+            self.flat = torch.empty(at, dtype=dtype)
         self.write(a.modules)  # an adapter not held: read from its file, once
         if a.held:
             self._share(a)
@@ -142,9 +163,12 @@ class HostAdapter:
                 hi = s.b_off + m.B.numel()
                 pairs += [(s.a_off, m.A.shape, m.A), (s.b_off, (m.B.shape[1], m.B.shape[0]), m.B.t())]
                 at += 1
+            src = [t.detach() for _, _, t in pairs]
+            if all(t.device.type == "cpu" for t in src):  # converted straight into the buffer
+                torch._foreach_copy_([self.flat[o:o + t.numel()].view(shape) for o, shape, t in pairs], src)
+                continue
             tmp = torch.empty(hi - lo, dtype=self.flat.dtype, device=pairs[0][2].device)
-            torch._foreach_copy_([tmp[o - lo:o - lo + t.numel()].view(shape) for o, shape, t in pairs],
-                                 [t.detach() for _, _, t in pairs])
+            torch._foreach_copy_([tmp[o - lo:o - lo + t.numel()].view(shape) for o, shape, t in pairs], src)
             self.flat[lo:hi].copy_(tmp)
 
 
@@ -188,7 +212,7 @@ class AdapterPool:
         ones (q, k, v) lie side by side in the resident layout; without it, by name."""
         self.adapters = {a.name: a for a in adapters}
         self.device, self.dtype = device, dtype
-        self.pin = device.type == "cuda"
+        self.arena = PinnedArena() if device.type == "cuda" else None  # host copies pinned: GPU copies
         self.max_rank = max((sh.rank for a in adapters for sh in a.shapes.values()), default=1)
         order = {(j, t.name): i for j, lay in enumerate(spec.layers) for i, t in enumerate(lay.tensors)} if spec else {}
         self.keys = sorted({key for a in adapters for key in a.shapes}, key=lambda k: (k[0], order.get(k, 0), k[1]))
@@ -197,6 +221,9 @@ class AdapterPool:
         self.cache_elements: int | None = None  # room for the host copies of adapters read from files
         self._lock = threading.Lock()  # the cache, shared with the thread that reads the next block's
         self._reading: tuple[threading.Thread, list[BaseException]] | None = None  # that thread, its error
+        self.reads = Reads()
+        self._pool_of_readers: ThreadPoolExecutor | None = None
+        self._fence: Any = None  # (number, CUDA event) after the work of the blocks before the current one
         self.upcoming: list[str | None] = []  # the next block's adapters, read once this block has begun
         self._stale: set[str] = set()  # adapters whose host copy is older than their values
         self._layer_numel = {a.name: layer_numel(a) for a in adapters}
@@ -259,22 +286,43 @@ class AdapterPool:
         """Size the host cache for a job whose blocks need `need`; the host bytes that counts."""
         self.wait()
         self.cache_elements = CACHE_BLOCKS * need.elements
+        files = min(sum(a.numel for a in self.adapters.values() if not a.held), self.cache_elements)
+        slack = 0
+        if self.arena is not None and files:  # the cache's room pinned once, and a block's more (for gaps)
+            slack = need.elements * self.dtype.itemsize + (CACHE_BLOCKS + 1) * need.adapters * PinnedArena.ALIGN
+            self.arena.reserve(files * self.dtype.itemsize + slack)
         self._evict(set(self.block))
-        return self.host_bytes(need)
+        return self.host_bytes(need) + slack
 
-    def _evict(self, keep: set[str]) -> None:
+    def _evict(self, keep: set[str], incoming: int = 0) -> None:
         """Drop the least recently used host copies of adapters read from files (none in `keep`)
-        until those left fit the cache's room."""
+        until those left and `incoming` elements more fit the cache's room."""
         if self.cache_elements is None:
             return
         with self._lock:
             files = [n for n in self._host if not self.adapters[n].held]
-            kept = sum(self._host[n].numel for n in files)
+            kept = sum(self._host[n].numel for n in files) + incoming
             for n in files:
                 if kept <= self.cache_elements:
                     break
                 if n not in keep:
-                    kept -= self._host.pop(n).numel
+                    kept -= self._drop(n)
+
+    def _keep(self, h: HostAdapter) -> HostAdapter:
+        """Cache a host copy just read; one read meanwhile by another thread wins (this one's run
+        of the arena is given back)."""
+        with self._lock:
+            kept = self._host.setdefault(h.name, h)
+        if kept is not h:
+            PinnedArena.give(h.lease)
+        return kept
+
+    def _drop(self, name: str) -> int:
+        """Forget an adapter's host copy (the lock held), its pinned buffer given back for the
+        next copy; its elements."""
+        h = self._host.pop(name)
+        PinnedArena.give(h.lease, self._fence)
+        return h.numel
 
     def drop_host_cache(self, keep: Iterable[str] = ()) -> None:
         """Forget the host copies of adapters read from files, but those in `keep` (their next
@@ -283,7 +331,7 @@ class AdapterPool:
         kept = set(keep)
         with self._lock:
             for n in [n for n in self._host if not self.adapters[n].held and n not in kept]:
-                del self._host[n]
+                self._drop(n)
 
     def prefetch(self, names: Iterable[str | None], main: Any = None) -> None:
         """Start reading these adapters (the next block's) from their files into the host cache,
@@ -298,13 +346,16 @@ class AdapterPool:
         self.wait()
         current, failed = set(self.block), []
 
+        def one(n: str) -> None:
+            self._keep(HostAdapter(self.adapters[n], self.dtype, self.arena))
+
         def read() -> None:
+            t0 = time.perf_counter()
             try:
-                for n in want:
-                    h = HostAdapter(self.adapters[n], self.dtype, self.pin)
-                    with self._lock:
-                        self._host.setdefault(n, h)
-                self._evict(current | set(want))
+                self._evict(current | set(want), sum(self.adapters[n].numel for n in want))
+                list(self._readers().map(one, want))  # the file reads and conversions release the GIL
+                self.reads.add(len(want), sum(self.adapters[n].numel for n in want) * self.dtype.itemsize,
+                               time.perf_counter() - t0)
                 if main is not None:
                     with torch.inference_mode():  # thread-local: the staging buffer may be an inference tensor
                         self._stage_next(want, main)
@@ -315,11 +366,20 @@ class AdapterPool:
         thread.start()
         self._reading = (thread, failed)
 
+    def _readers(self) -> ThreadPoolExecutor:
+        """READ_THREADS threads that read adapter files (more than one was slower on the H200:
+        their reads slowed the blocks running beside them more than they gained)."""
+        if self._pool_of_readers is None or self._pool_of_readers._max_workers != READ_THREADS:
+            self._pool_of_readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="flexoff-adapters-read")
+        return self._pool_of_readers
+
     def wait(self) -> None:
         """Let a prefetch finish (its errors, such as an unreadable file, are raised here)."""
         reading, self._reading = self._reading, None
         if reading is not None:
+            t0 = time.perf_counter()
             reading[0].join()
+            self.reads.waited_s += time.perf_counter() - t0
             if reading[1]:
                 raise reading[1][0]
 
@@ -331,9 +391,7 @@ class AdapterPool:
             if h is not None:
                 self._host.move_to_end(name)
         if h is None:
-            h = HostAdapter(self.adapters[name], self.dtype, self.pin)
-            with self._lock:
-                self._host[name] = h
+            h = self._keep(HostAdapter(self.adapters[name], self.dtype, self.arena))
         elif fresh and name in self._stale:
             h.write(self.adapters[name].modules)
         if fresh:
@@ -372,6 +430,10 @@ class AdapterPool:
         adapters on the device. `cap` is what the engine planned room for."""
         used = list(dict.fromkeys(n for n in names if n is not None))
         self.wait()  # the block's adapters read ahead, if they were
+        if self.arena is not None:  # after every copy out of a host copy that this block may drop
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self._fence = ((self._fence[0] + 1) if self._fence else 0, event)
         if len(used) > cap.adapters:
             raise RuntimeError(f"internal: a block of {len(used)} adapters in room planned for {cap.adapters}")
         paged = not all(s.resident for s in weights.splits)

@@ -12,8 +12,10 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -92,6 +94,86 @@ def pinned_empty(numel: int, dtype: torch.dtype, owner: object) -> torch.Tensor:
     t = _registered(max(1, numel) * dtype.itemsize)
     weakref.finalize(owner, _host_unregister, t)
     return t.view(dtype)[:numel]
+
+
+class PinnedArena:
+    """Page-locked host memory for a cache whose entries come and go (the adapter pool's host
+    copies of adapters read from files), pinned once: pinning touches and locks every page, and
+    pinning and unpinning each adapter as it was read and dropped took about as long as reading
+    it, beside the blocks' kernel launches. Entries take runs of one region (first fit, freed
+    runs merged with their neighbours); an entry that no run fits, or any entry before reserve(),
+    is pinned on its own (counted in `pinned`). A freed run waits for its fence (a CUDA event
+    recorded after the last work that could copy out of it) before it is written again."""
+
+    ALIGN = 256  # bytes: where runs begin
+
+    def __init__(self) -> None:
+        self.region: _Region | None = None
+        self.pinned = self.taken = 0  # entries pinned on their own, and given runs of the region
+
+    def reserve(self, nbytes: int) -> None:
+        """A region of at least nbytes (a smaller one is left to the entries still in it)."""
+        if nbytes > 0 and (self.region is None or self.region.nbytes < nbytes):
+            self.region = _Region(nbytes)
+
+    def take(self, numel: int, dtype: torch.dtype, owner: object) -> tuple[torch.Tensor, Any]:
+        """`numel` elements of pinned memory for `owner`, and the lease to hand back to give()
+        (None: pinned on its own, unpinned when the owner is collected)."""
+        nbytes = max(1, numel) * dtype.itemsize
+        got = self.region.take(nbytes) if self.region is not None else None
+        if got is None:
+            self.pinned += 1
+            return pinned_empty(numel, dtype, owner), None
+        self.taken += 1
+        t, lease = got
+        return t.view(dtype)[:numel], lease
+
+    @staticmethod
+    def give(lease: Any, fence: Any = None) -> None:
+        """Hand a run back; `fence`: (its number, a CUDA event), numbered in the order recorded."""
+        if lease is not None:
+            lease[0].give(lease[1], lease[2], fence)
+
+
+class _Region:
+    """One pinned buffer and its free runs [(start, bytes, fence)], by start."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+        self.buf = _registered(nbytes)
+        weakref.finalize(self, _host_unregister, self.buf)
+        self.free: list[tuple[int, int, Any]] = [(0, nbytes, None)]
+        self.lock = threading.Lock()  # readers take runs from several threads
+
+    def take(self, nbytes: int) -> tuple[torch.Tensor, tuple["_Region", int, int]] | None:
+        size = -(-nbytes // PinnedArena.ALIGN) * PinnedArena.ALIGN
+        with self.lock:
+            i = next((i for i, (_, n, _) in enumerate(self.free) if n >= size), None)
+            if i is None:
+                return None
+            at, n, fence = self.free[i]
+            if n > size:
+                self.free[i] = (at + size, n - size, fence)
+            else:
+                del self.free[i]
+        if fence is not None:
+            fence[1].synchronize()  # copies out of it, queued before it was freed, are done
+        return self.buf[at:at + nbytes], (self, at, size)
+
+    def give(self, at: int, size: int, fence: Any) -> None:
+        with self.lock:
+            free = self.free
+            i = next((i for i, (a, _, _) in enumerate(free) if a > at), len(free))
+            free.insert(i, (at, size, fence))
+            for k in (i, i - 1):  # merge with the next run, then the previous one with this
+                if 0 <= k < len(free) - 1 and free[k][0] + free[k][1] == free[k + 1][0]:
+                    (a, n, f), (_, m, g) = free[k], free[k + 1]
+                    free[k:k + 2] = [(a, n + m, _later(f, g))]
+
+
+def _later(f: Any, g: Any) -> Any:
+    """The later of two fences (None: nothing to wait for)."""
+    return f if g is None or (f is not None and f[0] >= g[0]) else g
 
 
 def _registered(nbytes: int) -> torch.Tensor:

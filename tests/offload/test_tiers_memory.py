@@ -10,6 +10,8 @@ import time
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from flexoff import LLM, Policy
 from flexoff.errors import MemoryBudgetError
@@ -517,3 +519,64 @@ def test_held_stores_stay_within_their_bytes_and_wait_for_the_oldest(tmp_path):
     assert mover._held_n == 0 and not mover._held
     lanes.close()
     tiers.close()
+
+
+class _Fence:
+    """A stand-in for a CUDA event: counts the waits on it."""
+
+    def __init__(self) -> None:
+        self.waits = 0
+
+    def synchronize(self) -> None:
+        self.waits += 1
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 3000)), min_size=1, max_size=60))
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_pinned_arena_runs_never_overlap_and_wait_for_their_fences(monkeypatch, ops):
+    """Random takes and gives against a byte-by-byte model of the region: live runs never share
+    a byte, a request no free run fits is pinned on its own, a run reused waits once, for a fence
+    no earlier than the latest under which any of its bytes was freed (a merged run keeps its
+    parts' latest), and all runs given back merge into one."""
+    from flexoff.offload import tiers
+
+    pinned: list[int] = []
+    monkeypatch.setattr(tiers, "_host_register", lambda t: pinned.append(t.numel()))
+    monkeypatch.setattr(tiers, "_host_unregister", lambda t: None)
+    arena = tiers.PinnedArena()
+    arena.reserve(8192)
+    owner = tiers.PinnedArena  # any object outlives the test
+    base = arena.region.buf.data_ptr()
+    used = [None] * 8192  # byte -> the live lease holding it
+    freed_by = [-1] * 8192  # byte -> the number of the fence it was last freed under
+    fences: list[_Fence] = []
+    live: list[tuple[torch.Tensor, object]] = []
+    for give, n in ops:
+        if give and live:
+            t, lease = live.pop(n % len(live))
+            fences.append(_Fence())
+            tiers.PinnedArena.give(lease, (len(fences) - 1, fences[-1]))
+            at = t.data_ptr() - base
+            for i in range(at, at + lease[2]):
+                used[i], freed_by[i] = None, len(fences) - 1
+            continue
+        before = [f.waits for f in fences]
+        t, lease = arena.take(n, torch.float16, owner)
+        assert t.numel() == n and t.dtype == torch.float16
+        if lease is None:  # pinned on its own: no free run of the region was big enough
+            assert pinned[-1] >= 2 * n
+            assert not any(all(u is None for u in used[i:i + 2 * n]) and i % tiers.PinnedArena.ALIGN == 0
+                           for i in range(0, 8192 - 2 * n + 1))
+            continue
+        at = t.data_ptr() - base
+        assert at % tiers.PinnedArena.ALIGN == 0 and lease[2] >= 2 * n
+        assert all(u is None for u in used[at:at + lease[2]])  # no byte of a live run
+        for i in range(at, at + lease[2]):
+            used[i] = lease
+        latest = max(freed_by[at:at + lease[2]])
+        waited = [i for i, f in enumerate(fences) if f.waits > before[i]]
+        assert len(waited) <= 1 and (latest < 0 or waited and waited[0] >= latest)  # merged runs: their latest
+        live.append((t, lease))
+    for t, lease in live:
+        tiers.PinnedArena.give(lease)
+    assert [(a, n) for a, n, _ in arena.region.free] == [(0, 8192)]
