@@ -5,7 +5,9 @@ Knows: each adapter as one flat host buffer in the compute dtype (pinned where c
 GPU), laid out layer by layer so a layer's LoRA is one contiguous segment per adapter; for
 adapters read from files, a host cache of such buffers, least recently used dropped first,
 with room for CACHE_BLOCKS blocks' adapters (a job's blocks group rows by adapter, so each is
-read about once), the next block's read by a thread of its own while the current one runs;
+read about once), pinned once as one arena whose runs the buffers take and give back
+(`tiers.PinnedArena`), the next block's read by a thread of its own (and READ_THREADS readers)
+while the current one runs, what that costs counted in `Reads`;
 held adapters (made in memory, trained) keep theirs; a block
 (the adapters its rows use, in index order); two ways of holding a block on the device:
 - resident (the weights are on the device too): a cache of adapters laid out per matmul in one
@@ -37,7 +39,7 @@ import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
@@ -93,6 +95,12 @@ class Slot:
     scale: float
 
 
+def pins(device: torch.device) -> bool:
+    """Whether host copies of adapters are pinned (they are copied to a GPU)."""
+    return device.type == "cuda"
+
+
+Alloc = Callable[[int, torch.dtype, object], tuple[torch.Tensor, Any]]
 WRITE_CHUNK = 32 << 20  # bytes of an adapter converted and copied to its host buffer at a time
 READ_THREADS = 1  # adapters the reader reads from their files at once
 
@@ -114,8 +122,9 @@ class HostAdapter:
     """One adapter in one flat host buffer: per layer, per adapted matmul (sorted by name), A
     (rank, in) then B transposed (rank, out)."""
 
-    def __init__(self, a: Adapter, dtype: torch.dtype, arena: PinnedArena | None = None):
-        """`arena`: where the buffer's pinned memory comes from (None: not pinned)."""
+    def __init__(self, a: Adapter, dtype: torch.dtype, alloc: Alloc | None = None):
+        """`alloc`: the buffer's pinned memory and its lease, given its elements, dtype and owner
+        (None: not pinned)."""
         self.name = a.name
         self.slots: dict[Key, Slot] = {}
         self.segments: dict[int, tuple[int, int]] = {}  # layer -> [first, end) elements
@@ -129,8 +138,8 @@ class HostAdapter:
             self.segments[key[0]] = (lo, at)
         self.numel = at
         self.lease: Any = None  # the buffer's run of the arena, to give back when the copy is dropped
-        if arena is not None:
-            self.flat, self.lease = arena.take(at, dtype, self)
+        if alloc is not None:
+            self.flat, self.lease = alloc(at, dtype, self)
         else:
             self.flat = torch.empty(at, dtype=dtype)
         self.write(a.modules)  # an adapter not held: read from its file, once
@@ -212,7 +221,7 @@ class AdapterPool:
         ones (q, k, v) lie side by side in the resident layout; without it, by name."""
         self.adapters = {a.name: a for a in adapters}
         self.device, self.dtype = device, dtype
-        self.arena = PinnedArena() if device.type == "cuda" else None  # host copies pinned: GPU copies
+        self.arena = PinnedArena() if pins(device) else None
         self.max_rank = max((sh.rank for a in adapters for sh in a.shapes.values()), default=1)
         order = {(j, t.name): i for j, lay in enumerate(spec.layers) for i, t in enumerate(lay.tensors)} if spec else {}
         self.keys = sorted({key for a in adapters for key in a.shapes}, key=lambda k: (k[0], order.get(k, 0), k[1]))
@@ -288,8 +297,8 @@ class AdapterPool:
         self.cache_elements = CACHE_BLOCKS * need.elements
         files = min(sum(a.numel for a in self.adapters.values() if not a.held), self.cache_elements)
         slack = 0
-        if self.arena is not None and files:  # the cache's room pinned once, and a block's more (for gaps)
-            slack = need.elements * self.dtype.itemsize + (CACHE_BLOCKS + 1) * need.adapters * PinnedArena.ALIGN
+        if self.arena is not None and files:  # the cache's room pinned once (and each run's alignment)
+            slack = (CACHE_BLOCKS + 1) * need.adapters * PinnedArena.ALIGN
             self.arena.reserve(files * self.dtype.itemsize + slack)
         self._evict(set(self.block))
         return self.host_bytes(need) + slack
@@ -307,6 +316,29 @@ class AdapterPool:
                     break
                 if n not in keep:
                     kept -= self._drop(n)
+
+    def _alloc(self, keep: set[str]) -> Alloc | None:
+        """Where host copies read now get their pinned memory: a run of the arena, made room for
+        by dropping the least recently used copies (none in `keep`) while none fits (a job sorted
+        by adapter seldom uses one again in a later block), else pinned on its own."""
+        arena = self.arena
+        if arena is None:
+            return None
+
+        def alloc(numel: int, dtype: torch.dtype, owner: object) -> tuple[torch.Tensor, Any]:
+            while True:
+                got = arena.take(numel, dtype, owner, alone=False)
+                if got is not None:
+                    return got
+                with self._lock:
+                    drop = next((n for n in self._host if not self.adapters[n].held and n not in keep), None)
+                    if drop is None:
+                        break
+                    self._drop(drop)
+            got = arena.take(numel, dtype, owner)
+            assert got is not None
+            return got
+        return alloc
 
     def _keep(self, h: HostAdapter) -> HostAdapter:
         """Cache a host copy just read; one read meanwhile by another thread wins (this one's run
@@ -347,7 +379,7 @@ class AdapterPool:
         current, failed = set(self.block), []
 
         def one(n: str) -> None:
-            self._keep(HostAdapter(self.adapters[n], self.dtype, self.arena))
+            self._keep(HostAdapter(self.adapters[n], self.dtype, self._alloc(current | set(want))))
 
         def read() -> None:
             t0 = time.perf_counter()
@@ -383,15 +415,16 @@ class AdapterPool:
             if reading[1]:
                 raise reading[1][0]
 
-    def host(self, name: str, fresh: bool = True) -> HostAdapter:
+    def host(self, name: str, fresh: bool = True, keep: Iterable[str] = ()) -> HostAdapter:
         """An adapter's host copy (its layout; its values are current unless `fresh` is off),
-        read from its file if the cache does not hold it."""
+        read from its file if the cache does not hold it (dropping others but `keep` where
+        its pinned memory needs their room)."""
         with self._lock:
             h = self._host.get(name)
             if h is not None:
                 self._host.move_to_end(name)
         if h is None:
-            h = self._keep(HostAdapter(self.adapters[name], self.dtype, self.arena))
+            h = self._keep(HostAdapter(self.adapters[name], self.dtype, self._alloc({name, *keep})))
         elif fresh and name in self._stale:
             h.write(self.adapters[name].modules)
         if fresh:
@@ -430,7 +463,8 @@ class AdapterPool:
         adapters on the device. `cap` is what the engine planned room for."""
         used = list(dict.fromkeys(n for n in names if n is not None))
         self.wait()  # the block's adapters read ahead, if they were
-        if self.arena is not None:  # after every copy out of a host copy that this block may drop
+        if self.arena is not None and self.device.type == "cuda":  # after every copy out of a host copy
+            # that this block may drop
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
             self._fence = ((self._fence[0] + 1) if self._fence else 0, event)
@@ -439,7 +473,7 @@ class AdapterPool:
         paged = not all(s.resident for s in weights.splits)
         self._reserve(cap, paged, len(weights.slots))
         self.block, self.index = used, {n: i for i, n in enumerate(used)}
-        hosts = [self.host(n, fresh=paged) for n in used]  # resident: only copies made fresh
+        hosts = [self.host(n, fresh=paged, keep=used) for n in used]  # resident: only copies made fresh
         self._evict(set(used))
         if paged:
             self._plan_pages(hosts)

@@ -101,9 +101,10 @@ class PinnedArena:
     copies of adapters read from files), pinned once: pinning touches and locks every page, and
     pinning and unpinning each adapter as it was read and dropped took about as long as reading
     it, beside the blocks' kernel launches. Entries take runs of one region (first fit, freed
-    runs merged with their neighbours); an entry that no run fits, or any entry before reserve(),
-    is pinned on its own (counted in `pinned`). A freed run waits for its fence (a CUDA event
-    recorded after the last work that could copy out of it) before it is written again."""
+    runs merged with their neighbours); where no run fits, the cache may drop entries and try
+    again, or have the entry pinned on its own (counted in `pinned`; so is any entry before
+    reserve()). A freed run waits for its fence (a CUDA event recorded after the last work that
+    could copy out of it) before it is written again."""
 
     ALIGN = 256  # bytes: where runs begin
 
@@ -116,12 +117,16 @@ class PinnedArena:
         if nbytes > 0 and (self.region is None or self.region.nbytes < nbytes):
             self.region = _Region(nbytes)
 
-    def take(self, numel: int, dtype: torch.dtype, owner: object) -> tuple[torch.Tensor, Any]:
+    def take(self, numel: int, dtype: torch.dtype, owner: object, alone: bool = True
+             ) -> tuple[torch.Tensor, Any] | None:
         """`numel` elements of pinned memory for `owner`, and the lease to hand back to give()
-        (None: pinned on its own, unpinned when the owner is collected)."""
+        (None: pinned on its own, unpinned when the owner is collected); where no run of the
+        region fits: pinned on its own, or (`alone` off) None."""
         nbytes = max(1, numel) * dtype.itemsize
         got = self.region.take(nbytes) if self.region is not None else None
         if got is None:
+            if not alone and self.region is not None:
+                return None
             self.pinned += 1
             return pinned_empty(numel, dtype, owner), None
         self.taken += 1

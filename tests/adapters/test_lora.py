@@ -5,6 +5,7 @@ line naming the adapter and the field."""
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 import threading
@@ -132,12 +133,23 @@ def test_a_closed_engine_gives_back_the_adapters_device_room(tiny, tmp_path):
         assert pool.device_bytes() > 0
 
 
+@pytest.mark.parametrize("pinned", [False, True], ids=["unpinned", "pinned"])
 @pytest.mark.parametrize("policy", POLICIES[:2], ids=["resident", "streamed"])
-def test_adapters_are_read_from_their_files_into_a_cache_of_two_blocks(tiny, tmp_path, monkeypatch, policy):
+def test_adapters_are_read_from_their_files_into_a_cache_of_two_blocks(tiny, tmp_path, monkeypatch, policy, pinned):
     """Six adapters from PEFT folders, a job of blocks of one adapter each: every row's tokens
     equal PEFT's with its adapter; each file is read once per job, a block's while the block
-    before it runs; host memory keeps at most two blocks' adapters (and the plan counts only those)."""
+    before it runs; host memory keeps at most two blocks' adapters (and the plan counts only those).
+    Pinned (as for a GPU; pinning faked): the host copies take runs of one arena of the cache's
+    room, never sharing a byte, and a copy pinned on its own is unpinned once dropped."""
     from flexoff.adapters import peft as peft_files
+    from flexoff.offload import adapters as pool_mod
+    from flexoff.offload import tiers
+
+    registered: dict[int, int] = {}  # address -> bytes, of what is pinned now
+    if pinned:
+        monkeypatch.setattr(pool_mod, "pins", lambda device: True)
+        monkeypatch.setattr(tiers, "_host_register", lambda t: registered.__setitem__(t.data_ptr(), t.numel()))
+        monkeypatch.setattr(tiers, "_host_unregister", lambda t: registered.pop(t.data_ptr()))
 
     path = tiny["llama"].path
     made = make_adapters(path, "llama", tmp_path)
@@ -173,6 +185,19 @@ def test_adapters_are_read_from_their_files_into_a_cache_of_two_blocks(tiny, tmp
         assert sum(pool._host[n].numel for n in kept) <= pool.cache_elements
         everything = sum(a.numel for a in llm.adapters.values()) * llm.dtype.itemsize
         assert llm.adapter_host_bytes(need) == 2 * need.elements * llm.dtype.itemsize < everything
+        if pinned:
+            region = pool.arena.region
+            lo, hi = region.buf.data_ptr(), region.buf.data_ptr() + region.nbytes
+            assert region.nbytes < 2 * need.elements * llm.dtype.itemsize + 4 * tiers.PinnedArena.ALIGN
+            spans = sorted((h.flat.data_ptr(), h.flat.data_ptr() + h.flat.numel() * h.flat.element_size())
+                           for h in pool._host.values())
+            assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # no byte shared
+            alone = [s for s in spans if not lo <= s[0] < hi]  # pinned on their own: still registered
+            assert pool.arena.taken > 0 and {s[0] for s in alone} <= set(registered)
+            leased = sum(h.lease[2] for h in pool._host.values() if h.lease is not None)
+            assert leased + sum(n for _, n, _ in region.free) == region.nbytes  # dropped runs came back
+            gc.collect()
+            assert len(registered) == 1 + len(alone)  # the region and the live ones; dropped ones unpinned
 
 
 def test_an_adapter_file_gone_or_changed_after_loading_is_a_one_line_error(tiny, tmp_path):
