@@ -178,6 +178,7 @@ def test_adapters_are_read_from_their_files_into_a_cache_of_two_blocks(tiny, tmp
         assert threads[0] == threading.current_thread().name
         assert all(t.startswith("flexoff-adapters") for t in threads[1:])
         pool = llm.adapter_pool()
+        assert pool.reads.adapters == len(names) - 1 and pool.reads.read_s > 0  # the reader's, counted
         need = llm.engine.adapter_need
         assert need.adapters == 1 and pool.cache_elements == 2 * need.elements
         kept = list(pool._host)  # the last blocks' adapters, as many as the room takes
