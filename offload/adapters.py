@@ -231,7 +231,7 @@ class AdapterPool:
         self._lock = threading.Lock()  # the cache, shared with the thread that reads the next block's
         self._reading: tuple[threading.Thread, list[BaseException]] | None = None  # that thread, its error
         self.reads = Reads()
-        self._pool_of_readers: ThreadPoolExecutor | None = None
+        self._readers_of: tuple[int, ThreadPoolExecutor] | None = None  # (threads, the pool of them)
         self._fence: Any = None  # (number, CUDA event) after the work of the blocks before the current one
         self.upcoming: list[str | None] = []  # the next block's adapters, read once this block has begun
         self._stale: set[str] = set()  # adapters whose host copy is older than their values
@@ -300,6 +300,7 @@ class AdapterPool:
         if self.arena is not None and files:  # the cache's room pinned once (and each run's alignment)
             slack = (CACHE_BLOCKS + 1) * need.adapters * PinnedArena.ALIGN
             self.arena.reserve(files * self.dtype.itemsize + slack)
+        self._new_fence()
         self._evict(set(self.block))
         return self.host_bytes(need) + slack
 
@@ -317,13 +318,16 @@ class AdapterPool:
                 if n not in keep:
                     kept -= self._drop(n)
 
-    def _alloc(self, keep: set[str]) -> Alloc | None:
-        """Where host copies read now get their pinned memory: a run of the arena, made room for
-        by dropping the least recently used copies (none in `keep`) while none fits (a job sorted
-        by adapter seldom uses one again in a later block), else pinned on its own."""
+    def _alloc(self, name: str, keep: set[str]) -> Alloc | None:
+        """Where the host copy of adapter `name` gets its pinned memory: read from its file, a
+        run of the arena, made room for by dropping the least recently used copies (none in
+        `keep`) while none fits (a job sorted by adapter seldom uses one again in a later
+        block), else pinned on its own; held (never dropped), pinned on its own."""
         arena = self.arena
         if arena is None:
             return None
+        if self.adapters[name].held:
+            return arena.alone
 
         def alloc(numel: int, dtype: torch.dtype, owner: object) -> tuple[torch.Tensor, Any]:
             while True:
@@ -339,6 +343,14 @@ class AdapterPool:
             assert got is not None
             return got
         return alloc
+
+    def _new_fence(self) -> None:
+        """Record the fence that host copies dropped from now on wait for before their pinned
+        memory is written again: after every copy out of them queued so far."""
+        if self.arena is not None and self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self._fence = ((self._fence[0] + 1) if self._fence else 0, event)
 
     def _keep(self, h: HostAdapter) -> HostAdapter:
         """Cache a host copy just read; one read meanwhile by another thread wins (this one's run
@@ -360,6 +372,7 @@ class AdapterPool:
         """Forget the host copies of adapters read from files, but those in `keep` (their next
         use reads the files again)."""
         self.wait()
+        self._new_fence()
         kept = set(keep)
         with self._lock:
             for n in [n for n in self._host if not self.adapters[n].held and n not in kept]:
@@ -379,7 +392,7 @@ class AdapterPool:
         current, failed = set(self.block), []
 
         def one(n: str) -> None:
-            self._keep(HostAdapter(self.adapters[n], self.dtype, self._alloc(current | set(want))))
+            self._keep(HostAdapter(self.adapters[n], self.dtype, self._alloc(n, current | set(want))))
 
         def read() -> None:
             t0 = time.perf_counter()
@@ -401,9 +414,10 @@ class AdapterPool:
     def _readers(self) -> ThreadPoolExecutor:
         """READ_THREADS threads that read adapter files (more than one was slower on the H200:
         their reads slowed the blocks running beside them more than they gained)."""
-        if self._pool_of_readers is None or self._pool_of_readers._max_workers != READ_THREADS:
-            self._pool_of_readers = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="flexoff-adapters-read")
-        return self._pool_of_readers
+        if self._readers_of is None or self._readers_of[0] != READ_THREADS:
+            pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="flexoff-adapters-read")
+            self._readers_of = (READ_THREADS, pool)
+        return self._readers_of[1]
 
     def wait(self) -> None:
         """Let a prefetch finish (its errors, such as an unreadable file, are raised here)."""
@@ -424,7 +438,7 @@ class AdapterPool:
             if h is not None:
                 self._host.move_to_end(name)
         if h is None:
-            h = self._keep(HostAdapter(self.adapters[name], self.dtype, self._alloc({name, *keep})))
+            h = self._keep(HostAdapter(self.adapters[name], self.dtype, self._alloc(name, {name, *keep})))
         elif fresh and name in self._stale:
             h.write(self.adapters[name].modules)
         if fresh:
@@ -463,11 +477,7 @@ class AdapterPool:
         adapters on the device. `cap` is what the engine planned room for."""
         used = list(dict.fromkeys(n for n in names if n is not None))
         self.wait()  # the block's adapters read ahead, if they were
-        if self.arena is not None and self.device.type == "cuda":  # after every copy out of a host copy
-            # that this block may drop
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
-            self._fence = ((self._fence[0] + 1) if self._fence else 0, event)
+        self._new_fence()
         if len(used) > cap.adapters:
             raise RuntimeError(f"internal: a block of {len(used)} adapters in room planned for {cap.adapters}")
         paged = not all(s.resident for s in weights.splits)

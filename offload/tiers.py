@@ -127,11 +127,15 @@ class PinnedArena:
         if got is None:
             if not alone and self.region is not None:
                 return None
-            self.pinned += 1
-            return pinned_empty(numel, dtype, owner), None
+            return self.alone(numel, dtype, owner)
         self.taken += 1
         t, lease = got
         return t.view(dtype)[:numel], lease
+
+    def alone(self, numel: int, dtype: torch.dtype, owner: object) -> tuple[torch.Tensor, None]:
+        """`numel` elements pinned on their own for `owner` (unpinned when it is collected)."""
+        self.pinned += 1
+        return pinned_empty(numel, dtype, owner), None
 
     @staticmethod
     def give(lease: Any, fence: Any = None) -> None:

@@ -201,6 +201,38 @@ def test_adapters_are_read_from_their_files_into_a_cache_of_two_blocks(tiny, tmp
             assert len(registered) == 1 + len(alone)  # the region and the live ones; dropped ones unpinned
 
 
+def test_held_adapters_are_pinned_apart_from_the_arena_of_those_read_from_files(tiny, tmp_path, monkeypatch):
+    """The arena is sized for the copies of adapters read from files; a held adapter's copy
+    (never dropped) is pinned on its own, so it takes none of that room. Each copy holds its
+    adapter's values (pinning faked)."""
+    from flexoff.adapters import load_adapter
+    from flexoff.offload import adapters as pool_mod
+    from flexoff.offload import tiers
+
+    monkeypatch.setattr(pool_mod, "pins", lambda device: True)
+    monkeypatch.setattr(tiers, "_host_register", lambda t: None)
+    monkeypatch.setattr(tiers, "_host_unregister", lambda t: None)
+    path = tiny["llama"].path
+    made = make_adapters(path, "llama", tmp_path)
+    with LLM(str(path)) as llm:
+        spec = llm.model.spec
+    held, files = load_adapter("a", made["a"], spec), [load_adapter(n, made[n], spec) for n in ("b", "c")]
+    held.hold()
+    pool = pool_mod.AdapterPool([held, *files], torch.device("cpu"), torch.float16, spec)
+    pool.keep_for(pool.need([["a", "b"], ["c"]]))
+    region = pool.arena.region
+    # the file-read adapters' room (both fit in two blocks' worth), each run's alignment more
+    assert region.nbytes <= sum(f.numel for f in files) * 2 + (pool_mod.CACHE_BLOCKS + 1) * 2 * tiers.PinnedArena.ALIGN
+    for name, a in (("a", held), ("b", files[0]), ("c", files[1])):
+        h = pool.host(name, keep=("a", "b", "c"))
+        inside = region.buf.data_ptr() <= h.flat.data_ptr() < region.buf.data_ptr() + region.nbytes
+        assert inside == (name != "a") and (h.lease is None) == (name == "a")
+        for k, m in a.modules.items():
+            sl = h.slots[k]
+            assert torch.equal(h.flat[sl.a_off:sl.a_off + m.A.numel()].view_as(m.A), m.A.half())
+    assert pool.arena.pinned == 1 and pool.arena.taken == 2
+
+
 def test_an_adapter_file_gone_or_changed_after_loading_is_a_one_line_error(tiny, tmp_path):
     """Adapters are read when a block uses them (the next block's in a thread): a file removed
     or replaced by another rank's after loading fails the job with one line naming the adapter,
