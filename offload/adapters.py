@@ -286,16 +286,19 @@ class AdapterPool:
         """Host memory the adapters' flat copies take: every held adapter's, and of those read
         from files, all of them or (for a job whose blocks need `need`) CACHE_BLOCKS blocks' worth."""
         held = sum(a.numel for a in self.adapters.values() if a.held)
+        return (held + self._file_room(need)) * self.dtype.itemsize
+
+    def _file_room(self, need: Need | None) -> int:
+        """Elements the host copies of adapters read from files take: all of them, or (for a job
+        whose blocks need `need`) at most CACHE_BLOCKS blocks' worth."""
         files = sum(a.numel for a in self.adapters.values() if not a.held)
-        if need is not None:
-            files = min(files, CACHE_BLOCKS * need.elements)
-        return (held + files) * self.dtype.itemsize
+        return files if need is None else min(files, CACHE_BLOCKS * need.elements)
 
     def keep_for(self, need: Need) -> int:
         """Size the host cache for a job whose blocks need `need`; the host bytes that counts."""
         self.wait()
         self.cache_elements = CACHE_BLOCKS * need.elements
-        files = min(sum(a.numel for a in self.adapters.values() if not a.held), self.cache_elements)
+        files = self._file_room(need)
         slack = 0
         if self.arena is not None and files:  # the cache's room pinned once (and each run's alignment)
             slack = (CACHE_BLOCKS + 1) * need.adapters * PinnedArena.ALIGN
@@ -389,18 +392,18 @@ class AdapterPool:
         if not want:
             return
         self.wait()
-        current, failed = set(self.block), []
+        keep, failed = set(self.block) | set(want), []  # the current block's and the next one's
+        incoming = sum(self.adapters[n].numel for n in want)
 
         def one(n: str) -> None:
-            self._keep(HostAdapter(self.adapters[n], self.dtype, self._alloc(n, current | set(want))))
+            self._keep(HostAdapter(self.adapters[n], self.dtype, self._alloc(n, keep)))
 
         def read() -> None:
             t0 = time.perf_counter()
             try:
-                self._evict(current | set(want), sum(self.adapters[n].numel for n in want))
+                self._evict(keep, incoming)
                 list(self._readers().map(one, want))  # the file reads and conversions release the GIL
-                self.reads.add(len(want), sum(self.adapters[n].numel for n in want) * self.dtype.itemsize,
-                               time.perf_counter() - t0)
+                self.reads.add(len(want), incoming * self.dtype.itemsize, time.perf_counter() - t0)
                 if main is not None:
                     with torch.inference_mode():  # thread-local: the staging buffer may be an inference tensor
                         self._stage_next(want, main)
