@@ -12,7 +12,8 @@ Knows: three parts, each comparison measured in one run:
   adapters the prompts draw are made (random values, made on the device, kept in host memory,
   or with `--adapter-dir` written as PEFT folders and read from their files as blocks use them:
   before each timed run the host cache then keeps only the first block's, as a long job's
-  would have read them during the block before, so every later block reads its own).
+  would have read them during the block before, so every later block reads its own; none, where
+  the policy keeps one block's adapters in host memory, and each block reads its own as it begins).
   `--job-prompts N` draws the adapters for a job of N prompts and runs a stretch of it (the
   first `--prompts` in adapter order, as that job's blocks group them): a long job's blocks,
   each using few adapters, without running all of it.
@@ -196,8 +197,10 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
         m.generate(prompts[:args.warmup_prompts], max_new_tokens=args.gen_len,
                    adapters=names[:args.warmup_prompts], policy=with_lora)
         before = None
-        if args.adapter_dir is not None:  # as in a long job: only the first block's adapters were read before
-            pool, first = m.adapter_pool(), set(sorted(names)[:m.last_policy.block_size])
+        if args.adapter_dir is not None:  # as in a long job: only the first block's adapters were read before,
+            # where the host cache keeps two blocks' (with room for one, a block reads its own when it begins)
+            pool, p = m.adapter_pool(), m.last_policy
+            first = set(sorted(names)[:p.block_size]) if p.lora_cache_blocks > 1 else set()
             before = lambda: pool.drop_host_cache(first)  # noqa: E731
         modes = (args.segments or L.SEGMENTS).split(",")
         threads = [int(t) for t in args.read_threads.split(",")] if args.read_threads else [A.READ_THREADS]
@@ -227,7 +230,7 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
                  "stacked_prefill": args.stacked_prefill, "segments": ",".join(modes),
                  "policy": m.last_policy.describe(), "auto": auto, "setup_adapters_s": made, "job_prompts": job,
                  "adapters_from": "files" if args.adapter_dir else "memory",
-                 "adapter_host_bytes": m.adapter_host_bytes(m.engine.adapter_need),  # what the plan counts
+                 "adapter_host_bytes": m.adapter_host_bytes(m.engine.adapter_need, m.last_policy.lora_cache_blocks),  # what the plan counts
                  **({"profile": prof} if prof else {}), **({"profile_decode": prof_decode} if prof_decode else {})}
     for v, (one, full) in runs:
         r = record("flexoff", f"lora-{v}", rows, args.gen_len, one, full, **extra,

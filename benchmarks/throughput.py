@@ -251,7 +251,7 @@ def predict(spec: Any, hw: Any, p: Any, work: Any) -> Any:
 
     frac = fractions(p)
     ch = Choice(p.gpu_batch_size, p.num_gpu_batches, p.compress_weight, p.compress_cache,
-                p.cpu_cache_compute, p.overlap, p.quant_bits, p.quant_group)
+                p.cpu_cache_compute, p.overlap, p.quant_bits, p.quant_group, p.lora_cache_blocks)
     return CostModel(spec, hw, work, ch).price(frac)
 
 

@@ -30,7 +30,7 @@ from flexoff.offload.adapters import AdapterPool, Need
 from flexoff.offload.pipeline import heaviest_stage, stage_layers, stage_spec
 from flexoff.offload.residency import Residency
 from flexoff.offload.tiers import Budgets
-from flexoff.policy.policy import Policy
+from flexoff.policy.policy import CACHE_BLOCKS, Policy
 from flexoff.sampling import FIELDS, SamplingParams
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -223,11 +223,12 @@ class LLM:
             return Need()
         return pool.need([r.adapter for r in b] + list(riders) for b in plan_blocks(reqs, block_size))
 
-    def adapter_host_bytes(self, need: Need | None = None) -> int:
+    def adapter_host_bytes(self, need: Need | None = None, blocks: int = CACHE_BLOCKS) -> int:
         """Host bytes of the loaded adapters in the compute dtype that the engine's plan counts:
-        the held ones, and of those read from files what the cache keeps for blocks of `need`."""
+        the held ones, and of those read from files what the cache keeps for `blocks` blocks of
+        `need` (a policy's lora_cache_blocks)."""
         pool = self.adapter_pool()
-        return pool.host_bytes(need) if pool is not None else 0
+        return pool.host_bytes(need, blocks) if pool is not None else 0
 
     def _used_adapters(self) -> list[str]:
         """The adapters the job uses (every loaded one, outside a job), in loading order."""
@@ -410,14 +411,15 @@ class LLM:
         # a checkpoint is read into CPU memory; dummy weights are made where they go
         read_dev = self.device if m.name.startswith("dummy:") else torch.device("cpu")
         self.engine = self.residency.engine(self.stage_policy(policy), fmt, codec, max_prompt, max_gen, read,
-                                            read_dev, self.progress, need, self._keep_adapters(need), training,
-                                            windows)
+                                            read_dev, self.progress, need,
+                                            self._keep_adapters(need, policy.lora_cache_blocks), training, windows)
         return self.engine
 
-    def _keep_adapters(self, need: Need) -> int:
-        """The host cache sized for an engine's blocks; the host bytes its plan counts."""
+    def _keep_adapters(self, need: Need, blocks: int) -> int:
+        """The host cache sized for an engine's blocks (room for `blocks` of them); the host bytes
+        its plan counts."""
         pool = self.adapter_pool()
-        return pool.keep_for(need) if pool is not None else 0
+        return pool.keep_for(need, blocks) if pool is not None else 0
 
     def stage_policy(self, policy: Policy) -> Policy:
         """The policy a pipeline stage's engine runs: room for as many of the policy's blocks as

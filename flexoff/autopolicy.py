@@ -42,7 +42,8 @@ def engine_plan(llm: Any, policy: Policy, prompt_len: int, gen_len: int, trainin
     need = need if need is not None else llm.adapter_need(policy.block_size)
     return plan_memory(spec, layouts, codec.rec_bytes, policy, prompt_len, gen_len, llm.dtype,
                        llm.device.type == "cuda", training,
-                       adapters=adapter_bytes(need, llm.adapter_host_bytes(need), layouts, policy, llm.dtype),
+                       adapters=adapter_bytes(need, llm.adapter_host_bytes(need, policy.lora_cache_blocks), layouts,
+                                             policy, llm.dtype),
                        trained=need.elements if training else 0, windows=windows)
 
 

@@ -485,10 +485,13 @@ def policy_search(model: str, prompt_len: int, gen_len: int, num_prompts: int | 
         if best.policy.w_gpu_percent >= 100:
             where = "on the GPU" + (" (as much again for the next block's, staged)"
                                     if lora_staged(work, best.policy.block_size) else "")
-        cached = lora_host_ranks(work, best.policy.block_size) * width * work.elem_bytes / gib
+        blocks = best.policy.lora_cache_blocks
+        cached = lora_host_ranks(work, best.policy.block_size, blocks) * width * work.elem_bytes / gib
+        reads = "ahead" if blocks > 1 else "as each block begins"
         click.echo(f"lora        {len(ranks)} adapters (mean rank {mean:g}) on every linear layer; a block uses "
-                   f"{used}: {held:.2f} GiB {where}, {cached:.2f} GiB cached in CPU memory (the rest read "
-                   f"from their files), {2 * mean * width:.3g} FLOPs per token (base "
+                   f"{used}: {held:.2f} GiB {where}, {cached:.2f} GiB cached in CPU memory for {blocks} "
+                   f"block{'s' * (blocks > 1)} (the rest read from their files {reads}), "
+                   f"{2 * mean * width:.3g} FLOPs per token (base "
                    f"{sum(spec.linear_flops(j) for j in range(len(spec.layers))):.3g})")
     if len(cands) > 1:
         click.echo("runners-up:")

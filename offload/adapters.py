@@ -4,10 +4,11 @@ their deltas added beside each adapted projection for the rows that use them.
 Knows: each adapter as one flat host buffer in the compute dtype (pinned where copies go to a
 GPU), laid out layer by layer so a layer's LoRA is one contiguous segment per adapter; for
 adapters read from files, a host cache of such buffers, least recently used dropped first,
-with room for CACHE_BLOCKS blocks' adapters (a job's blocks group rows by adapter, so each is
-read about once), pinned once as one arena whose runs the buffers take and give back
-(`tiers.PinnedArena`), the next block's read by a thread of its own (and READ_THREADS readers)
-while the current one runs, what that costs counted in `Reads`;
+with room for the policy's `lora_cache_blocks` blocks' adapters (a job's blocks group rows by
+adapter, so each is read about once), pinned once as one arena whose runs the buffers take and
+give back (`tiers.PinnedArena`), the next block's read by a thread of its own (and READ_THREADS
+readers) while the current one runs, as many as the room holds beside the current block's (the
+rest read when the next block begins), what that costs counted in `Reads`;
 held adapters (made in memory, trained) keep theirs; a block
 (the adapters its rows use, in index order); two ways of holding a block on the device:
 - resident (the weights are on the device too): a cache of adapters laid out per matmul in one
@@ -34,6 +35,7 @@ Does not know: PEFT's files (flexoff.adapters), the schedule, which rows go in w
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections import OrderedDict
@@ -107,8 +109,8 @@ READ_THREADS = 1  # adapters the reader reads from their files at once
 
 @dataclass
 class Reads:
-    """What reading adapters from their files ahead of their blocks cost: adapters and bytes
-    read, seconds the reader took, and seconds the blocks waited for it."""
+    """What reading adapters from their files cost: adapters and bytes read, seconds the reads
+    took (ahead of their blocks, or when a block began), and seconds the blocks waited for them."""
     adapters: int = 0
     bytes: int = 0
     read_s: float = 0.0
@@ -282,30 +284,31 @@ class AdapterPool:
         resident = sum(r * sum(self._fans[k]) for k, r in lanes.items())
         return Need(adapters, elements, layer, tuple(sorted(lanes.items())), resident, elements if count > 1 else 0)
 
-    def host_bytes(self, need: Need | None = None) -> int:
+    def host_bytes(self, need: Need | None = None, blocks: int = CACHE_BLOCKS) -> int:
         """Host memory the adapters' flat copies take: every held adapter's, and of those read
-        from files, all of them or (for a job whose blocks need `need`) CACHE_BLOCKS blocks' worth."""
+        from files, all of them or (for a job whose blocks need `need`) `blocks` blocks' worth."""
         held = sum(a.numel for a in self.adapters.values() if a.held)
-        return (held + self._file_room(need)) * self.dtype.itemsize
+        return (held + self._file_room(need, blocks)) * self.dtype.itemsize
 
-    def _file_room(self, need: Need | None) -> int:
+    def _file_room(self, need: Need | None, blocks: int) -> int:
         """Elements the host copies of adapters read from files take: all of them, or (for a job
-        whose blocks need `need`) at most CACHE_BLOCKS blocks' worth."""
+        whose blocks need `need`) at most `blocks` blocks' worth."""
         files = sum(a.numel for a in self.adapters.values() if not a.held)
-        return files if need is None else min(files, CACHE_BLOCKS * need.elements)
+        return files if need is None else min(files, blocks * need.elements)
 
-    def keep_for(self, need: Need) -> int:
-        """Size the host cache for a job whose blocks need `need`; the host bytes that counts."""
+    def keep_for(self, need: Need, blocks: int = CACHE_BLOCKS) -> int:
+        """Size the host cache for a job whose blocks need `need`, with room for `blocks` blocks'
+        adapters read from files; the host bytes that counts."""
         self.wait()
-        self.cache_elements = CACHE_BLOCKS * need.elements
-        files = self._file_room(need)
+        self.cache_elements = blocks * need.elements
+        files = self._file_room(need, blocks)
         slack = 0
         if self.arena is not None and files:  # the cache's room pinned once (and each run's alignment)
-            slack = (CACHE_BLOCKS + 1) * need.adapters * PinnedArena.ALIGN
+            slack = (blocks + 1) * need.adapters * PinnedArena.ALIGN
             self.arena.reserve(files * self.dtype.itemsize + slack)
         self._new_fence()
         self._evict(set(self.block))
-        return self.host_bytes(need) + slack
+        return self.host_bytes(need, blocks) + slack
 
     def _evict(self, keep: set[str], incoming: int = 0) -> None:
         """Drop the least recently used host copies of adapters read from files (none in `keep`)
@@ -383,26 +386,28 @@ class AdapterPool:
 
     def prefetch(self, names: Iterable[str | None], main: Any = None) -> None:
         """Start reading these adapters (the next block's) from their files into the host cache,
-        in a thread of its own, while the current block runs (its adapters stay), and (given the
-        CUDA stream `main` that computes) staging them on the device after; the next begin()
-        waits for it."""
+        as many as its room holds beside the current block's (which stay), in a thread of its
+        own, while the current block runs, and (given the CUDA stream `main` that computes)
+        staging them on the device after; the next begin() waits for it (and reads the rest)."""
         want = [n for n in dict.fromkeys(names) if n is not None and not self.adapters[n].held]
         with self._lock:
             want = [n for n in want if n not in self._host]
+            if self.cache_elements is not None:
+                room = self.cache_elements - sum(self._host[n].numel for n in self.block
+                                                 if n in self._host and not self.adapters[n].held)
+                fit = list(itertools.accumulate(self.adapters[n].numel for n in want))
+                want = [n for n, total in zip(want, fit) if total <= room]
         if not want:
             return
         self.wait()
         keep, failed = set(self.block) | set(want), []  # the current block's and the next one's
         incoming = sum(self.adapters[n].numel for n in want)
 
-        def one(n: str) -> None:
-            self._keep(HostAdapter(self.adapters[n], self.dtype, self._alloc(n, keep)))
-
         def read() -> None:
             t0 = time.perf_counter()
             try:
                 self._evict(keep, incoming)
-                list(self._readers().map(one, want))  # the file reads and conversions release the GIL
+                list(self._readers().map(lambda n: self._read(n, keep), want))  # reads and conversions release the GIL
                 self.reads.add(len(want), incoming * self.dtype.itemsize, time.perf_counter() - t0)
                 if main is not None:
                     with torch.inference_mode():  # thread-local: the staging buffer may be an inference tensor
@@ -413,6 +418,29 @@ class AdapterPool:
         thread = threading.Thread(target=read, name="flexoff-adapters", daemon=True)
         thread.start()
         self._reading = (thread, failed)
+
+    def _read(self, name: str, keep: set[str]) -> HostAdapter:
+        """Make an adapter's host copy in the cache, read from its file (making room by dropping
+        copies of adapters not in `keep`) or, held, from its values."""
+        return self._keep(HostAdapter(self.adapters[name], self.dtype, self._alloc(name, keep)))
+
+    def _read_now(self, names: Sequence[str]) -> None:
+        """Read the host copies of these adapters (a block's) that the cache lacks from their
+        files now, while the block waits: those a read-ahead left for want of room."""
+        with self._lock:
+            want = [n for n in names if not self.adapters[n].held and n not in self._host]
+        if not want:
+            return
+        t0, keep = time.perf_counter(), set(names)
+        self._evict(keep, sum(self.adapters[n].numel for n in want))
+        if READ_THREADS > 1:  # several at once
+            list(self._readers().map(lambda n: self._read(n, keep), want))
+        else:  # one, in this thread
+            for n in want:
+                self._read(n, keep)
+        took = time.perf_counter() - t0
+        self.reads.add(len(want), sum(self.adapters[n].numel for n in want) * self.dtype.itemsize, took)
+        self.reads.waited_s += took
 
     def _readers(self) -> ThreadPoolExecutor:
         """READ_THREADS threads that read adapter files (more than one was slower on the H200:
@@ -441,7 +469,7 @@ class AdapterPool:
             if h is not None:
                 self._host.move_to_end(name)
         if h is None:
-            h = self._keep(HostAdapter(self.adapters[name], self.dtype, self._alloc(name, {name, *keep})))
+            h = self._read(name, {name, *keep})
         elif fresh and name in self._stale:
             h.write(self.adapters[name].modules)
         if fresh:
@@ -486,6 +514,7 @@ class AdapterPool:
         paged = not all(s.resident for s in weights.splits)
         self._reserve(cap, paged, len(weights.slots))
         self.block, self.index = used, {n: i for i, n in enumerate(used)}
+        self._read_now(used)
         hosts = [self.host(n, fresh=paged, keep=used) for n in used]  # resident: only copies made fresh
         self._evict(set(used))
         if paged:

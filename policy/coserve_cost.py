@@ -184,7 +184,7 @@ def _near(cands: list[Candidate], window_rows: int | None) -> list[Choice]:
         for gbs, nb in [(p.gpu_batch_size, p.num_gpu_batches)] + [(p.gpu_batch_size, n) for n in reversed(fewer)] \
                 + list(reversed(split)):
             ch = Choice(gbs, nb, p.compress_weight, p.compress_cache, p.cpu_cache_compute, p.overlap, p.quant_bits,
-                        p.quant_group)
+                        p.quant_group, p.lora_cache_blocks)
             if ch not in out:
                 out.append(ch)
     return out

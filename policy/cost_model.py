@@ -26,7 +26,7 @@ Names follow the FlexGen paper:
 | cpu_mem_bdw, host_read_bdw | bytes/s of a host memcpy (read plus write); host memory serves the link's copies and CPU attention's reads together at the profile's measured host_read_bdw, else at HOST_READ_OVER_MEMCPY times cpu_mem_bdw (decode pairs; not in FlexGen) |
 | ctog, gtoc, dtoc, ctod, comp | a layer's seconds of each transfer, and of compute |
 | host, host_step_s, packed_host_step_s, lora_host_step_s | a layer's seconds of host work: one engine step per GPU batch (with 4-bit weights, the packed step), and what LoRA adds to a step; over a decode pair, combined with the link's seconds as a norm (HOST_WEIGHT, HOST_NORM) (not in FlexGen) |
-| lora_W, lora_F | LoRA: bytes of the adapters a block uses on every linear, and delta FLOPs per token (not in FlexGen); held on the GPU beside resident weights (with the next block's, staged while a block runs, for a job of several blocks), else paged with each layer's weights (link traffic, a page per weight slot); every adapter of the job also in host memory |
+| lora_W, lora_F | LoRA: bytes of the adapters a block uses on every linear, and delta FLOPs per token (not in FlexGen); held on the GPU beside resident weights (with the next block's, staged while a block runs, for a job of several blocks), else paged with each layer's weights (link traffic, a page per weight slot); in host memory the held adapters and a cache of `lora_cache_blocks` blocks' of those read from files; with one block, each later block's reads at dtoc_bdw before its prefill (lora_read_s) |
 | T_pre, T_gen | a layer's prefill time, and its average decode time per token |
 | T | block latency: sum over layers of T_pre + (n - 1) T_gen |
 """
@@ -139,13 +139,31 @@ def lora_staged(work: Workload, bls: int) -> bool:
     return bool(work.lora_ranks) and (work.num_prompts is None or work.num_prompts > bls)
 
 
-def lora_host_ranks(work: Workload, bls: int) -> float:
+def lora_host_ranks(work: Workload, bls: int, blocks: int = CACHE_BLOCKS) -> float:
     """The adapters' host memory as a sum of ranks on every linear layer: the held ones, and of
-    those read from files the cache of CACHE_BLOCKS blocks' adapters (all of them, if fewer)."""
-    total = sum(work.lora_ranks)
-    held = total if work.lora_held is None else work.lora_held
+    those read from files the cache of `blocks` blocks' adapters (all of them, if fewer)."""
     used, mean = lora_per_block(work, bls)
-    return held + min(total - held, CACHE_BLOCKS * used * mean)
+    return lora_held_ranks(work) + min(lora_file_ranks(work), blocks * used * mean)
+
+
+def lora_held_ranks(work: Workload) -> float:
+    """Of the adapters' ranks, those held in memory (the rest are read from files)."""
+    total = sum(work.lora_ranks)
+    return total if work.lora_held is None else work.lora_held
+
+
+def lora_file_ranks(work: Workload) -> float:
+    """Of the adapters' ranks, those read from files."""
+    return sum(work.lora_ranks) - lora_held_ranks(work)
+
+
+def lora_cache_options(work: Workload, bls: int) -> tuple[int, ...]:
+    """The host caches a job of blocks of bls rows may keep of adapters read from files, in
+    blocks: CACHE_BLOCKS, and one (the next block's adapters read when it begins) where the job
+    reads adapters from files and has several blocks whose adapters CACHE_BLOCKS would not all hold."""
+    used, mean = lora_per_block(work, bls)
+    one = lora_staged(work, bls) and lora_file_ranks(work) > used * mean
+    return (CACHE_BLOCKS, 1) if one and CACHE_BLOCKS != 1 else (CACHE_BLOCKS,)
 
 
 @dataclass(frozen=True)
@@ -160,6 +178,7 @@ class Choice:
     overlap: bool = True
     quant_bits: int = 4
     quant_group: int = 64
+    lora_cache_blocks: int = CACHE_BLOCKS  # blocks' worth of adapters read from files kept in host memory
 
     @property
     def bls(self) -> int:
@@ -182,6 +201,7 @@ class Prediction:
 
 class CostModel:
     vars = VARS  # the LP's placement fractions
+    lora_read_s = 0.0  # seconds a block waits for its adapters' reads before its prefill
 
     def __init__(self, spec: ModelSpec, hw: Hardware, work: Workload, choice: Choice, cached_disk: bool = False):
         self.spec, self.hw, self.work, self.ch = spec, hw, work, choice
@@ -234,7 +254,12 @@ class CostModel:
         self.lora_stage = self.lora_bytes if lora_staged(work, choice.bls) else 0.0  # the next block's, staged
         self.lora_F = {k: 2 * mean * width[k] for k in KINDS}
         # the held adapters' host copies, and the cache of those read from files, whatever the placement
-        self.lora_host = lora_host_ranks(work, choice.bls) * per_rank
+        self.lora_host = lora_host_ranks(work, choice.bls, choice.lora_cache_blocks) * per_rank
+        # a cache of one block: each later block's adapters read from their files when it begins
+        if choice.lora_cache_blocks < 2 and lora_staged(work, choice.bls):
+            blocks = -(-work.num_prompts // choice.bls) if work.num_prompts else None
+            share = lora_file_ranks(work) / sum(work.lora_ranks)
+            self.lora_read_s = self.lora_bytes * share / hw.dtoc_bdw * ((blocks - 1) / blocks if blocks else 1.0)
 
     # ---- the LP's view ---------------------------------------------------
     def sweep_count(self, stage: str) -> int:
@@ -481,6 +506,7 @@ class CostModel:
         pool = self.pair_pool(x, terms)
         gen += self.count["attn"] * max(0.0, pool[1] - pair)  # pairs the shared transfers hold up
         decode = (n - 1) * gen
+        pre += self.lora_read_s
         worst = max(KINDS, key=lambda k: self.count[k] * self.layer_time(terms[("g" if n > 1 else "p", k)]))
         stage = "g" if n > 1 else "p"
         term = max(terms[(stage, worst)].items(), key=lambda kv: kv[1])[0]

@@ -18,8 +18,10 @@ from flexoff.errors import PolicyError
 
 ACT_LOAD_SLOTS = 2  # act_load_slots' default
 GPU_RESERVE = 1 << 30  # GPU bytes left to the CUDA allocator's slack and fragmentation (plan and cost model)
-# blocks' worth of LoRA adapters read from files that host memory keeps (one running, one more);
-# a job's blocks group rows by adapter, so each such adapter is read about once
+# blocks' worth of LoRA adapters read from files that host memory keeps by default (one running,
+# the next read while it runs); a job's blocks group rows by adapter, so each such adapter is read
+# about once. A policy may keep one (`lora_cache_blocks`): the host memory of a block's adapters
+# for the KV cache or weights, the next block's read when it begins (what fits beside is read ahead)
 CACHE_BLOCKS = 2
 # how far two percentages as describe() prints them (six significant digits) may sum beyond 100:
 # a policy a search found must parse back (39.3% on the GPU, 2.08333 and 97.9167 of the
@@ -92,6 +94,7 @@ class Policy:
     quant_group: int = 64  # values per group when compressing
     stash_gpu_percent: float = 100.0  # training: % of each batch's stashed layer inputs on the GPU
     stash_cpu_percent: float = 0.0  # ... on the CPU; the rest on disk
+    lora_cache_blocks: int = CACHE_BLOCKS  # blocks' worth of LoRA adapters read from files kept in host memory
 
     def __post_init__(self) -> None:
         for name in ("gpu_batch_size", "num_gpu_batches"):
@@ -109,6 +112,9 @@ class Policy:
         for name in ("compress_weight", "compress_cache", "cpu_cache_compute", "overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise PolicyError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if not isinstance(self.lora_cache_blocks, int) or isinstance(self.lora_cache_blocks, bool) \
+                or self.lora_cache_blocks < 1:
+            raise PolicyError(f"lora_cache_blocks must be a positive integer, got {self.lora_cache_blocks!r}")
         if isinstance(self.quant_bits, bool) or self.quant_bits not in (4, 8):
             raise PolicyError(f"quant_bits must be 4 or 8, got {self.quant_bits!r}")
         if not isinstance(self.quant_group, int) or isinstance(self.quant_group, bool) or self.quant_group < 2 \
@@ -144,6 +150,8 @@ class Policy:
             flags.append("no-overlap")
         if (self.stash_gpu_percent, self.stash_cpu_percent) != (100.0, 0.0):
             flags.append(f"stash {self.stash_gpu_percent:g}, {self.stash_cpu_percent:g}")
+        if self.lora_cache_blocks != CACHE_BLOCKS:
+            flags.append(f"lora cache {self.lora_cache_blocks} block" + "s" * (self.lora_cache_blocks > 1))
         return f"{self.gpu_batch_size}x{self.num_gpu_batches} ({p})" + (f" [{', '.join(flags)}]" if flags else "")
 
     # ---- JSON ----------------------------------------------------------

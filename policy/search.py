@@ -23,7 +23,7 @@ import pulp
 
 from flexoff.errors import MemoryBudgetError
 from flexoff.models.spec import ModelSpec
-from flexoff.policy.cost_model import Choice, CostModel, Prediction, Workload
+from flexoff.policy.cost_model import Choice, CostModel, Prediction, Workload, lora_cache_options
 from flexoff.policy.hardware import Hardware
 from flexoff.policy.policy import Policy
 from flexoff.policy.train_cost import TrainChoice, TrainCostModel
@@ -82,7 +82,7 @@ def solve_lp(model: CostModel, budget: Budget, max_latency: float | None = None,
     # times in units of the block's latency with everything on the GPU, so that the solver's
     # tolerances mean the same for a tiny model as for a large one
     unit = max(model.evaluate({v: float(v.endswith("g")) for v in model.vars}).latency, 1e-12)
-    latency, traffic, T = 0, 0, {}
+    latency, traffic, T = model.lora_read_s / unit, 0, {}
     all_terms = model.terms(x)
     for (stage, kind), terms in all_terms.items():
         t = T[(stage, kind)] = _var(prob, f"T_{stage}_{kind}", None)
@@ -146,7 +146,8 @@ def round_policy(x: dict[str, float], ch: Choice,
         stash = {"stash_gpu_percent": sg * 100, "stash_cpu_percent": sc * 100}
     p = Policy(gbs, ch.num_gpu_batches, round(wg * 100, 1), round((wgc - wg) * 100, 1),
                cg * 100, cc * 100, hg * 100, hc * 100, ch.compress_weight, ch.compress_cache,
-               ch.cpu_cache_compute and cc > 0, ch.overlap, ch.quant_bits, ch.quant_group, **stash)
+               ch.cpu_cache_compute and cc > 0, ch.overlap, ch.quant_bits, ch.quant_group, **stash,
+               lora_cache_blocks=ch.lora_cache_blocks)
     return p, frac
 
 
@@ -182,17 +183,18 @@ def search(spec: ModelSpec, hw: Hardware, work: Workload, budget: Budget, *,
     disk_models = (True, False) if hw.page_cache_faster() and budget.disk > 0 else (False,)
     for (gbs, nb), cw, cc, ca, cached in itertools.product(shapes, _choices(compress_weight), _choices(compress_cache),
                                                           _choices(cpu_attention), disk_models):
-        ch = Choice(gbs, nb, cw, cc, ca, overlap)
-        model = CostModel(spec, hw, work, ch, cached_disk=cached)
-        if model.kv * ch.bls * (work.prompt_len + work.gen_len) * L > total:
-            continue  # the cache alone fits nowhere
-        sol = solve_lp(model, budget, max_latency)
-        if sol is None:
-            continue
-        cand = _candidate(model, sol[0], budget, max_latency)
-        if cand is not None and cand.policy not in seen:
-            seen.add(cand.policy)
-            out.append((cand, model, sol[1]))
+        for blocks in lora_cache_options(work, gbs * nb):  # host memory for the adapters read from files
+            ch = Choice(gbs, nb, cw, cc, ca, overlap, lora_cache_blocks=blocks)
+            model = CostModel(spec, hw, work, ch, cached_disk=cached)
+            if model.kv * ch.bls * (work.prompt_len + work.gen_len) * L > total:
+                continue  # the cache alone fits nowhere
+            sol = solve_lp(model, budget, max_latency)
+            if sol is None:
+                continue
+            cand = _candidate(model, sol[0], budget, max_latency)
+            if cand is not None and cand.policy not in seen:
+                seen.add(cand.policy)
+                out.append((cand, model, sol[1]))
     if not out:
         raise MemoryBudgetError(_infeasible_message(spec, hw, work, budget, compress_weight, compress_cache))
     key = (lambda c: -c.prediction.throughput) if objective == "throughput" else (lambda c: c.prediction.latency)

@@ -15,6 +15,7 @@ import torch
 
 from flexoff import LLM, Policy
 from flexoff.cli import main
+from flexoff.errors import PolicyError
 from reference import PROMPTS, make_adapters
 
 peft = pytest.importorskip("peft")
@@ -133,30 +134,19 @@ def test_a_closed_engine_gives_back_the_adapters_device_room(tiny, tmp_path):
         assert pool.device_bytes() > 0
 
 
-@pytest.mark.parametrize("pinned", [False, True], ids=["unpinned", "pinned"])
-@pytest.mark.parametrize("policy", POLICIES[:2], ids=["resident", "streamed"])
-def test_adapters_are_read_from_their_files_into_a_cache_of_two_blocks(tiny, tmp_path, monkeypatch, policy, pinned):
-    """Six adapters from PEFT folders, a job of blocks of one adapter each: every row's tokens
-    equal PEFT's with its adapter; each file is read once per job, a block's while the block
-    before it runs; host memory keeps at most two blocks' adapters (and the plan counts only those).
-    Pinned (as for a GPU; pinning faked): the host copies take runs of one arena of the cache's
-    room, never sharing a byte, and a copy pinned on its own is unpinned once dropped."""
+def six_adapters_counted(tiny, tmp_path, monkeypatch):
+    """Six PEFT folders (make_adapters' three, and the same values again under other names) for
+    the tiny LLaMA: its path, the folders by name, a prompt, the names sorted, each of a, b and
+    c's PEFT tokens for the prompt, and two lists each file read appends to: the adapter's name,
+    the reading thread's."""
     from flexoff.adapters import peft as peft_files
-    from flexoff.offload import adapters as pool_mod
-    from flexoff.offload import tiers
-
-    registered: dict[int, int] = {}  # address -> bytes, of what is pinned now
-    if pinned:
-        monkeypatch.setattr(pool_mod, "pins", lambda device: True)
-        monkeypatch.setattr(tiers, "_host_register", lambda t: registered.__setitem__(t.data_ptr(), t.numel()))
-        monkeypatch.setattr(tiers, "_host_unregister", lambda t: registered.pop(t.data_ptr()))
 
     path = tiny["llama"].path
     made = make_adapters(path, "llama", tmp_path)
-    for k in "abc":  # three more under other names (the same values, other files)
+    for k in "abc":
         shutil.copytree(made[k], tmp_path / f"{k}2")
         made[f"{k}2"] = str(tmp_path / f"{k}2")
-    prompt, names = PROMPTS[0], sorted(made)
+    prompt = PROMPTS[0]
     want = {n: peft_greedy(path, made[n], prompt, 6) for n in ("a", "b", "c")}
     reads: list[str] = []
     threads: list[str] = []
@@ -168,6 +158,33 @@ def test_adapters_are_read_from_their_files_into_a_cache_of_two_blocks(tiny, tmp
         return real(file, where, named)
 
     monkeypatch.setattr(peft_files, "_read_safetensors", counted)
+    return path, made, prompt, sorted(made), want, reads, threads
+
+
+def fake_pinning(monkeypatch) -> dict[int, int]:
+    """Host copies pinned as for a GPU, the pinning faked: what is pinned now, address -> bytes."""
+    from flexoff.offload import adapters as pool_mod
+    from flexoff.offload import tiers
+
+    registered: dict[int, int] = {}
+    monkeypatch.setattr(pool_mod, "pins", lambda device: True)
+    monkeypatch.setattr(tiers, "_host_register", lambda t: registered.__setitem__(t.data_ptr(), t.numel()))
+    monkeypatch.setattr(tiers, "_host_unregister", lambda t: registered.pop(t.data_ptr()))
+    return registered
+
+
+@pytest.mark.parametrize("pinned", [False, True], ids=["unpinned", "pinned"])
+@pytest.mark.parametrize("policy", POLICIES[:2], ids=["resident", "streamed"])
+def test_adapters_are_read_from_their_files_into_a_cache_of_two_blocks(tiny, tmp_path, monkeypatch, policy, pinned):
+    """Six adapters from PEFT folders, a job of blocks of one adapter each: every row's tokens
+    equal PEFT's with its adapter; each file is read once per job, a block's while the block
+    before it runs; host memory keeps at most two blocks' adapters (and the plan counts only those).
+    Pinned (as for a GPU; pinning faked): the host copies take runs of one arena of the cache's
+    room, never sharing a byte, and a copy pinned on its own is unpinned once dropped."""
+    from flexoff.offload import tiers
+
+    registered = fake_pinning(monkeypatch) if pinned else {}
+    path, made, prompt, names, want, reads, threads = six_adapters_counted(tiny, tmp_path, monkeypatch)
     job = [{"prompt_ids": prompt, "adapter": n} for n in names for _ in range(policy.gpu_batch_size)]
     with LLM(str(path), lora=made, policy=policy.replace(num_gpu_batches=1)) as llm:
         assert not any(a.held for a in llm.adapters.values()) and reads == []  # checked from headers alone
@@ -178,7 +195,7 @@ def test_adapters_are_read_from_their_files_into_a_cache_of_two_blocks(tiny, tmp
         assert threads[0] == threading.current_thread().name
         assert all(t.startswith("flexoff-adapters") for t in threads[1:])
         pool = llm.adapter_pool()
-        assert pool.reads.adapters == len(names) - 1 and pool.reads.read_s > 0  # the reader's, counted
+        assert pool.reads.adapters == len(names) and pool.reads.read_s > 0  # every read counted
         need = llm.engine.adapter_need
         assert need.adapters == 1 and pool.cache_elements == 2 * need.elements
         kept = list(pool._host)  # the last blocks' adapters, as many as the room takes
@@ -199,6 +216,50 @@ def test_adapters_are_read_from_their_files_into_a_cache_of_two_blocks(tiny, tmp
             assert leased + sum(n for _, n, _ in region.free) == region.nbytes  # dropped runs came back
             gc.collect()
             assert len(registered) == 1 + len(alone)  # the region and the live ones; dropped ones unpinned
+
+
+@pytest.mark.parametrize("pinned", [False, True], ids=["unpinned", "pinned"])
+@pytest.mark.parametrize("policy", POLICIES[:2], ids=["resident", "streamed"])
+def test_a_cache_of_one_block_reads_what_the_room_leaves_when_its_block_begins(tiny, tmp_path, monkeypatch, policy,
+                                                                              pinned):
+    """A policy whose host cache keeps one block's adapters read from files (lora_cache_blocks=1):
+    every row's tokens equal PEFT's; each file is read once, while the block before runs exactly
+    where it fits beside that block's in the room, else when its own block begins (the block
+    waits, counted in Reads); the cache never holds more than its room, and the plan counts one
+    block's bytes. Pinned (faked): one arena of that room, no copy pinned on its own."""
+    from flexoff.offload import adapters as pool_mod
+    from flexoff.offload import tiers
+
+    registered = fake_pinning(monkeypatch) if pinned else {}
+    path, made, prompt, names, want, reads, threads = six_adapters_counted(tiny, tmp_path, monkeypatch)
+    held: list[int] = []  # elements the cache holds after each copy kept
+    keep = pool_mod.AdapterPool._keep
+
+    def kept(self, h):
+        out = keep(self, h)
+        held.append(sum(c.numel for n, c in self._host.items() if not self.adapters[n].held))
+        return out
+
+    monkeypatch.setattr(pool_mod.AdapterPool, "_keep", kept)
+    job = [{"prompt_ids": prompt, "adapter": n} for n in names for _ in range(policy.gpu_batch_size)]
+    with LLM(str(path), lora=made, policy=policy.replace(num_gpu_batches=1, lora_cache_blocks=1)) as llm:
+        got = llm.generate(job, max_new_tokens=6).completions
+        assert [c.token_ids for c in got] == [want[r["adapter"][0]] for r in job]
+        assert reads == names  # each adapter read once, in the blocks' order
+        pool, need = llm.adapter_pool(), llm.engine.adapter_need
+        size = {n: llm.adapters[n].numel for n in names}
+        room = need.elements
+        assert pool.cache_elements == room == max(size.values()) and max(held) <= room
+        # the next block's read ahead where it fits beside the running block's, else as it begins
+        ahead = [False] + [size[p] + size[n] <= room for p, n in zip(names, names[1:])]
+        assert True in ahead and False in ahead[1:]  # the sizes give both cases
+        assert [t.startswith("flexoff-adapters") for t in threads] == ahead
+        assert pool.reads.adapters == len(names) and pool.reads.waited_s > 0
+        assert llm.adapter_host_bytes(need, 1) == room * llm.dtype.itemsize
+        if pinned:
+            region = pool.arena.region
+            assert region.nbytes <= room * llm.dtype.itemsize + 2 * tiers.PinnedArena.ALIGN
+            assert pool.arena.pinned == 0 and len(registered) == 1  # the region alone
 
 
 def test_held_adapters_are_pinned_apart_from_the_arena_of_those_read_from_files(tiny, tmp_path, monkeypatch):
@@ -465,6 +526,41 @@ def test_adapters_are_counted_by_the_plan_and_the_cost_model(tiny, tmp_path, cap
                      "--hardware", "h200", *bad])
         err = capsys.readouterr().err
         assert code == 2 and len(err.strip().splitlines()) == 1
+
+
+def test_a_job_short_of_host_memory_plans_a_cache_of_one_block():
+    """Adapters read from files, a host cache of one block's (lora_cache_blocks=1): host memory
+    for one block's adapters instead of two, and each later block's reads (at the disk's rate)
+    before its prefill. OPT-30B with 14 adapters at 16 GiB GPU / 100 GiB CPU: two blocks' would
+    push the KV cache to disk, so the search plans one, faster than any plan keeping two."""
+    import math
+
+    from flexoff.checkpoint import load_model
+    from flexoff.policy.cost_model import Choice, CostModel, Workload, lora_cache_options
+    from flexoff.policy.hardware import h200
+    from flexoff.policy.search import Budget, search
+
+    spec, hw = load_model("dummy:opt-30b").spec, h200()
+    width = sum(sum(t.shape) for l in spec.layers if l.kind in ("attn", "mlp") for t in l.tensors if t.matmul)
+    ranks = (8, 16, 8, 64, 8, 32, 32, 8, 8, 64, 16, 8, 64, 16)  # mean 25.14; a block of 72 of 144 rows uses 8
+    work = Workload(512, 32, 2, 144, ranks, lora_held=0.0)
+    x = {"wg": 0, "wc": 1, "wd": 0, "cg": 0, "cc": 1, "cd": 0, "hg": 1, "hc": 0, "hd": 0}
+    two, one = (CostModel(spec, hw, work, Choice(24, 3, cpu_cache_compute=True, lora_cache_blocks=b)) for b in (2, 1))
+    block = 8 * sum(ranks) / 14 * width * 2  # bytes of a block's adapters
+    # two blocks' room holds all 14 adapters (fewer than 16), one block's room a block's 8
+    assert math.isclose(two.memory(x)["cpu"] - one.memory(x)["cpu"], sum(ranks) * width * 2 - block)
+    # the second of the job's two blocks reads its adapters before its prefill
+    assert math.isclose(one.evaluate(x).prefill_s - two.evaluate(x).prefill_s, block / hw.dtoc_bdw / 2)
+    assert lora_cache_options(work, 72) == (2, 1)
+    for other in (Workload(512, 32, 2, 144, ranks), Workload(512, 32, 2, 72, ranks, lora_held=0.0)):
+        assert lora_cache_options(other, 72) == (2,)  # held adapters, or a job of one block: two blocks' room
+    cands = search(spec, hw, work, Budget.of(hw, 16 * 2**30, 100 * 2**30))
+    best = cands[0]
+    assert best.policy.lora_cache_blocks == 1 and "lora cache 1 block" in best.policy.describe()
+    assert best.prediction.throughput > max(c.prediction.throughput for c in cands if c.policy.lora_cache_blocks == 2)
+    assert Policy.from_dict(best.policy.to_dict()) == best.policy
+    with pytest.raises(PolicyError, match="lora_cache_blocks"):
+        Policy(lora_cache_blocks=0)
 
 
 def test_adapters_on_compressed_base_weights_equal_peft_on_the_same_values(tiny, tmp_path):
