@@ -189,13 +189,15 @@ class Need:
     elements of LoRA one block uses, the most one block uses in one layer, per adapted matmul
     the most rank lanes one block uses in it, the elements of the resident layout with those
     lanes (0: as many as `elements`), and of the staging buffer a job of several blocks copies
-    the next block's adapters into (resident)."""
+    the next block's adapters into (resident); and the elements of the largest adapter a block
+    uses (the host cache's room has one more)."""
     adapters: int = 0
     elements: int = 0
     layer: int = 0
     lanes: tuple[tuple[Key, int], ...] = ()
     resident: int = 0
     staging: int = 0
+    largest: int = 0
 
     def gpu_bytes(self, paged: bool, slots: int, itemsize: int) -> int:
         return (slots * self.layer if paged else max(self.elements, self.resident) + self.staging) * itemsize
@@ -204,7 +206,7 @@ class Need:
         """Whether room made for this need holds blocks of `other` too."""
         mine = dict(self.lanes)
         return self.adapters >= other.adapters and self.elements >= other.elements and self.layer >= other.layer \
-            and self.resident >= other.resident and self.staging >= other.staging \
+            and self.resident >= other.resident and self.staging >= other.staging and self.largest >= other.largest \
             and all(mine.get(k, 0) >= n for k, n in other.lanes)
 
 
@@ -264,13 +266,14 @@ class AdapterPool:
     # ---- sizes -------------------------------------------------------------------------------
     def need(self, blocks: Iterable[Iterable[str | None]]) -> Need:
         """The device room a job's blocks (each the adapter names of its rows) need."""
-        adapters = elements = layer = count = 0
+        adapters = elements = layer = count = largest = 0
         lanes: dict[Key, int] = {}
         for names in blocks:
             count += 1
             used = {n for n in names if n is not None}
             adapters = max(adapters, len(used))
             elements = max(elements, sum(self.adapters[n].numel for n in used))
+            largest = max([largest, *(self.adapters[n].numel for n in used)])
             per: dict[int, int] = {}
             ranks: dict[Key, int] = {}
             for n in used:
@@ -282,7 +285,8 @@ class AdapterPool:
             for key, r in ranks.items():
                 lanes[key] = max(lanes.get(key, 0), r)
         resident = sum(r * sum(self._fans[k]) for k, r in lanes.items())
-        return Need(adapters, elements, layer, tuple(sorted(lanes.items())), resident, elements if count > 1 else 0)
+        return Need(adapters, elements, layer, tuple(sorted(lanes.items())), resident, elements if count > 1 else 0,
+                    largest)
 
     def host_bytes(self, need: Need | None = None, blocks: int = CACHE_BLOCKS) -> int:
         """Host memory the adapters' flat copies take: every held adapter's, and of those read
@@ -292,9 +296,11 @@ class AdapterPool:
 
     def _file_room(self, need: Need | None, blocks: int) -> int:
         """Elements the host copies of adapters read from files take: all of them, or (for a job
-        whose blocks need `need`) at most `blocks` blocks' worth."""
+        whose blocks need `need`) at most `blocks` blocks' worth and its largest adapter's (the
+        arena's runs, taken and given back in the blocks' order, go round it as a ring: what is
+        live at once fits with one adapter's room more, whatever the rounds leave at the end)."""
         files = sum(a.numel for a in self.adapters.values() if not a.held)
-        return files if need is None else min(files, blocks * need.elements)
+        return files if need is None else min(files, blocks * need.elements + need.largest)
 
     def keep_for(self, need: Need, blocks: int = CACHE_BLOCKS) -> int:
         """Size the host cache for a job whose blocks need `need`, with room for `blocks` blocks'

@@ -9,6 +9,7 @@ Does not know: what the bytes mean, or when they move (see mover and engine).
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import tempfile
@@ -100,8 +101,10 @@ class PinnedArena:
     """Page-locked host memory for a cache whose entries come and go (the adapter pool's host
     copies of adapters read from files), pinned once: pinning touches and locks every page, and
     pinning and unpinning each adapter as it was read and dropped took about as long as reading
-    it, beside the blocks' kernel launches. Entries take runs of one region (first fit, freed
-    runs merged with their neighbours); where no run fits, the cache may drop entries and try
+    it, beside the blocks' kernel launches. Entries take runs of one region (next fit: the
+    search starts where the last run taken ends, so entries that come and go in order, as a
+    job's blocks' adapters do, use it as a ring, and a region of what is live at once and one
+    entry more always fits them; freed runs merged with their neighbours); where no run fits, the cache may drop entries and try
     again, or have the entry pinned on its own (counted in `pinned`; so is any entry before
     reserve()). A freed run waits for its fence (a CUDA event recorded after the last work that
     could copy out of it) before it is written again."""
@@ -152,19 +155,23 @@ class _Region:
         self.buf = _registered(nbytes)
         weakref.finalize(self, _host_unregister, self.buf)
         self.free: list[tuple[int, int, Any]] = [(0, nbytes, None)]
+        self.cursor = 0  # where the last run taken ends: the next search starts there
         self.lock = threading.Lock()  # readers take runs from several threads
 
     def take(self, nbytes: int) -> tuple[torch.Tensor, tuple["_Region", int, int]] | None:
         size = -(-nbytes // PinnedArena.ALIGN) * PinnedArena.ALIGN
         with self.lock:
-            i = next((i for i, (_, n, _) in enumerate(self.free) if n >= size), None)
+            free = self.free
+            k = next((i for i, (a, _, _) in enumerate(free) if a >= self.cursor), len(free))
+            i = next((i for i in itertools.chain(range(k, len(free)), range(k)) if free[i][1] >= size), None)
             if i is None:
                 return None
-            at, n, fence = self.free[i]
+            at, n, fence = free[i]
             if n > size:
-                self.free[i] = (at + size, n - size, fence)
+                free[i] = (at + size, n - size, fence)
             else:
-                del self.free[i]
+                del free[i]
+            self.cursor = at + size
         if fence is not None:
             fence[1].synchronize()  # copies out of it, queued before it was freed, are done
         return self.buf[at:at + nbytes], (self, at, size)

@@ -141,9 +141,10 @@ def lora_staged(work: Workload, bls: int) -> bool:
 
 def lora_host_ranks(work: Workload, bls: int, blocks: int = CACHE_BLOCKS) -> float:
     """The adapters' host memory as a sum of ranks on every linear layer: the held ones, and of
-    those read from files the cache of `blocks` blocks' adapters (all of them, if fewer)."""
+    those read from files the cache of `blocks` blocks' adapters and the largest one's more (all
+    of them, if fewer)."""
     used, mean = lora_per_block(work, bls)
-    return lora_held_ranks(work) + min(lora_file_ranks(work), blocks * used * mean)
+    return lora_held_ranks(work) + min(lora_file_ranks(work), blocks * used * mean + max(work.lora_ranks, default=0))
 
 
 def lora_held_ranks(work: Workload) -> float:
@@ -162,7 +163,7 @@ def lora_cache_options(work: Workload, bls: int) -> tuple[int, ...]:
     blocks: CACHE_BLOCKS, and one (the next block's adapters read when it begins) where the job
     reads adapters from files and has several blocks whose adapters CACHE_BLOCKS would not all hold."""
     used, mean = lora_per_block(work, bls)
-    one = lora_staged(work, bls) and lora_file_ranks(work) > used * mean
+    one = lora_staged(work, bls) and lora_file_ranks(work) > used * mean + max(work.lora_ranks)
     return (CACHE_BLOCKS, 1) if one and CACHE_BLOCKS != 1 else (CACHE_BLOCKS,)
 
 

@@ -580,3 +580,25 @@ def test_pinned_arena_runs_never_overlap_and_wait_for_their_fences(monkeypatch, 
     for t, lease in live:
         tiers.PinnedArena.give(lease)
     assert [(a, n) for a, n, _ in arena.region.free] == [(0, 8192)]
+
+
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=80), st.integers(40, 200))
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_pinned_arena_is_a_ring_for_entries_that_come_and_go_in_order(monkeypatch, sizes, live):
+    """Entries taken in order, the oldest given back until what stays and the next one are at
+    most `live` (as the adapter pool's cache drops a sorted job's adapters): in a region of
+    `live` and the largest entry more, every entry gets a run, none is pinned on its own."""
+    from flexoff.offload import tiers
+
+    monkeypatch.setattr(tiers, "_host_register", lambda t: None)
+    monkeypatch.setattr(tiers, "_host_unregister", lambda t: None)
+    align = tiers.PinnedArena.ALIGN  # sizes in runs of ALIGN bytes
+    arena = tiers.PinnedArena()
+    arena.reserve((live + max(sizes)) * align)
+    held: list[tuple[int, object]] = []
+    for n in sizes:
+        while held and sum(m for m, _ in held) + n > live:
+            tiers.PinnedArena.give(held.pop(0)[1])
+        t, lease = arena.take(n * align, torch.uint8, tiers.PinnedArena)
+        assert lease is not None and arena.pinned == 0
+        held.append((n, lease))
