@@ -11,8 +11,9 @@ Knows: three parts, each comparison measured in one run:
   staged while the block before it ran, whichever the variant. Only the
   adapters the prompts draw are made (random values, made on the device, kept in host memory,
   or with `--adapter-dir` written as PEFT folders and read from their files as blocks use them:
-  before each timed run the host cache then keeps only the first block's, as a long job's
-  would have read them during the block before, so every later block reads its own; none, where
+  before each timed run the host cache then holds only the first block's (read then if the run
+  before left others), as a long job's would have read them during the block before, so every
+  later block reads its own; none, where
   the policy keeps one block's adapters in host memory, and each block reads its own as it begins).
   `--job-prompts N` draws the adapters for a job of N prompts and runs a stretch of it (the
   first `--prompts` in adapter order, as that job's blocks group them): a long job's blocks,
@@ -113,6 +114,14 @@ def record(system: str, variant: str, rows: int, gen_len: int, one: float, full:
             **extra}
 
 
+def only_read(pool: Any, names: set[str]) -> None:
+    """Leave only these adapters' host copies in the pool's cache, reading those it lacks (the
+    run before left others)."""
+    pool.drop_host_cache(names)
+    for n in names:
+        pool.host(n, keep=names)
+
+
 def population(args: argparse.Namespace) -> list[dict[str, Any]]:
     """The run without LoRA, then with the population's adapters, each in an LLM of its own (one
     engine each: under --policy auto the two plans differ, and an LLM that changed engines would
@@ -201,7 +210,7 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
             # where the host cache keeps two blocks' (with room for one, a block reads its own when it begins)
             pool, p = m.adapter_pool(), m.last_policy
             first = set(sorted(names)[:p.block_size]) if p.lora_cache_blocks > 1 else set()
-            before = lambda: pool.drop_host_cache(first)  # noqa: E731
+            before = lambda: only_read(pool, first)  # noqa: E731
         modes = (args.segments or L.SEGMENTS).split(",")
         threads = [int(t) for t in args.read_threads.split(",")] if args.read_threads else [A.READ_THREADS]
         runs, reads = [], {}
