@@ -2,7 +2,8 @@
 
 Knows: FlexGen's policy fields (batch shape, placement percentages of weights,
 KV cache and activations on GPU / CPU / disk, compression, CPU attention,
-overlap), their validation, and their JSON form.
+overlap), ours (training's stash placement, the blocks' worth of LoRA adapters
+read from files that host memory keeps), their validation, and their JSON form.
 Does not know: how a policy is executed (offload/ does that) or found (search).
 """
 
