@@ -239,7 +239,8 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
                  "stacked_prefill": args.stacked_prefill, "segments": ",".join(modes),
                  "policy": m.last_policy.describe(), "auto": auto, "setup_adapters_s": made, "job_prompts": job,
                  "adapters_from": "files" if args.adapter_dir else "memory",
-                 "adapter_host_bytes": m.adapter_host_bytes(m.engine.adapter_need, m.last_policy.lora_cache_blocks),  # what the plan counts
+                 # what the plan counts
+                 "adapter_host_bytes": m.adapter_host_bytes(m.engine.adapter_need, m.last_policy.lora_cache_blocks),
                  **({"profile": prof} if prof else {}), **({"profile_decode": prof_decode} if prof_decode else {})}
     for v, (one, full) in runs:
         r = record("flexoff", f"lora-{v}", rows, args.gen_len, one, full, **extra,

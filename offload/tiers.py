@@ -104,10 +104,10 @@ class PinnedArena:
     it, beside the blocks' kernel launches. Entries take runs of one region (next fit: the
     search starts where the last run taken ends, so entries that come and go in order, as a
     job's blocks' adapters do, use it as a ring, and a region of what is live at once and one
-    entry more always fits them; freed runs merged with their neighbours); where no run fits, the cache may drop entries and try
-    again, or have the entry pinned on its own (counted in `pinned`; so is any entry before
-    reserve()). A freed run waits for its fence (a CUDA event recorded after the last work that
-    could copy out of it) before it is written again."""
+    entry more always fits them; freed runs merged with their neighbours); where no run fits,
+    the cache may drop entries and try again, or have the entry pinned on its own (counted in
+    `pinned`; so is any entry before reserve()). A freed run waits for its fence (a CUDA event
+    recorded after the last work that could copy out of it) before it is written again."""
 
     ALIGN = 256  # bytes: where runs begin
 

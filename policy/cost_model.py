@@ -164,7 +164,7 @@ def lora_cache_options(work: Workload, bls: int) -> tuple[int, ...]:
     reads adapters from files and has several blocks whose adapters CACHE_BLOCKS would not all hold."""
     used, mean = lora_per_block(work, bls)
     one = lora_staged(work, bls) and lora_file_ranks(work) > used * mean + max(work.lora_ranks)
-    return (CACHE_BLOCKS, 1) if one and CACHE_BLOCKS != 1 else (CACHE_BLOCKS,)
+    return (CACHE_BLOCKS, 1) if one else (CACHE_BLOCKS,)
 
 
 @dataclass(frozen=True)
