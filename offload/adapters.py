@@ -407,14 +407,10 @@ class AdapterPool:
             return
         self.wait()
         keep, failed = set(self.block) | set(want), []  # the current block's and the next one's
-        incoming = sum(self.adapters[n].numel for n in want)
 
         def read() -> None:
-            t0 = time.perf_counter()
             try:
-                self._evict(keep, incoming)
-                list(self._readers().map(lambda n: self._read(n, keep), want))  # reads and conversions release the GIL
-                self.reads.add(len(want), incoming * self.dtype.itemsize, time.perf_counter() - t0)
+                self._read_all(want, keep)
                 if main is not None:
                     with torch.inference_mode():  # thread-local: the staging buffer may be an inference tensor
                         self._stage_next(want, main)
@@ -435,18 +431,23 @@ class AdapterPool:
         files now, while the block waits: those a read-ahead left for want of room."""
         with self._lock:
             want = [n for n in names if not self.adapters[n].held and n not in self._host]
-        if not want:
-            return
-        t0, keep = time.perf_counter(), set(names)
-        self._evict(keep, sum(self.adapters[n].numel for n in want))
-        if READ_THREADS > 1:  # several at once
+        if want:
+            self.reads.waited_s += self._read_all(want, set(names))
+
+    def _read_all(self, want: Sequence[str], keep: set[str]) -> float:
+        """Read these adapters' host copies from their files into the cache, room made first
+        (dropping none in `keep`): READ_THREADS at once, or one in the calling thread (the file
+        reads and conversions release the GIL); counted in `reads`; the seconds they took."""
+        t0, numel = time.perf_counter(), sum(self.adapters[n].numel for n in want)
+        self._evict(keep, numel)
+        if READ_THREADS > 1:
             list(self._readers().map(lambda n: self._read(n, keep), want))
-        else:  # one, in this thread
+        else:
             for n in want:
                 self._read(n, keep)
         took = time.perf_counter() - t0
-        self.reads.add(len(want), sum(self.adapters[n].numel for n in want) * self.dtype.itemsize, took)
-        self.reads.waited_s += took
+        self.reads.add(len(want), numel * self.dtype.itemsize, took)
+        return took
 
     def _readers(self) -> ThreadPoolExecutor:
         """READ_THREADS threads that read adapter files (more than one was slower on the H200:
