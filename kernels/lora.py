@@ -145,7 +145,7 @@ TILES_STACKED = True  # the same for tiles (prefill), whose shrink then reads ea
 # their adapters' lanes gathered, `_row_deltas`) or "off" (the Triton passes)
 SEGMENTS = "rows"
 SEGMENT_TOKENS = 2048
-ROW_BYTES = 256 << 20  # `_row_deltas`: the most one buffer of gathered lanes takes (x's bytes if fewer)
+ROW_BYTES = 256 << 20  # `_row_deltas`: the most one buffer of gathered lanes takes (rows go in chunks)
 
 
 if HAVE_TRITON:
@@ -634,8 +634,7 @@ def _row_deltas(xf: torch.Tensor, y: torch.Tensor, ids32: torch.Tensor, per_row:
     expansion. Rows on the base model, and adapters that leave a projection alone, gather zeros.
     The Triton tile passes read y's tiles once per program at about half the copy bandwidth;
     cuBLAS writes them faster, and padding ranks costs little in FLOPs beside x's bytes. Rows go
-    in chunks whose gathered matrices take at most ROW_BYTES, and no more than x (whose bytes
-    the plan's working memory counts several times over)."""
+    in chunks whose gathered matrices take ROW_BYTES at most."""
     used = set(host_ids) - {-1}
     ranks = [max((p.ranks[a] for a in used), default=0) for p in packs]
     rows, K = len(host_ids), xf.shape[1]
@@ -644,7 +643,7 @@ def _row_deltas(xf: torch.Tensor, y: torch.Tensor, ids32: torch.Tensor, per_row:
         return
     starts = [sum(outs[:i]) for i in range(len(outs))]
     widest = max(sum(ranks) * K, *(r * n for r, n in zip(ranks, outs))) * xf.element_size()
-    step = max(1, min(rows, min(ROW_BYTES, xf.numel() * xf.element_size()) // widest))
+    step = max(1, min(rows, ROW_BYTES // widest))
     x3, y3 = xf.view(rows, per_row, K), y.view(rows, per_row, y.shape[1])
     for r0 in range(0, rows, step):
         ids = ids32[r0:r0 + step]

@@ -279,14 +279,14 @@ def test_lane_rows_kernel_equals_reference(ranks, ids, R, K, dtype, scaled):
 
 
 @pytest.mark.parametrize("pool", [False, True], ids=["scattered", "pooled"])
-@pytest.mark.parametrize("row_bytes", [1 << 30, 1], ids=["chunks", "row-by-row"])
+@pytest.mark.parametrize("row_bytes", [1 << 30, 1], ids=["one-chunk", "row-by-row"])
 def test_rows_of_short_runs_go_by_gathered_lanes(pool, row_bytes, monkeypatch):
     """Prefill rows in runs of one adapter too short for segments (SEGMENTS "rows"), each row's
     adapter known on the host, go by their adapters' gathered lanes through batched matmuls,
-    in chunks of rows (as many as x's bytes hold) or one row at a time, for stacked projections
-    of unequal widths whose adapters leave some alone (rank 0) and rows on the base model: each
-    projection equals its base matmul plus each row's own adapter's delta (float64 brute
-    force). A bias, unknown ids or long runs go the other ways."""
+    in one chunk of rows or one row at a time, for stacked projections of unequal widths whose
+    adapters leave some alone (rank 0) and rows on the base model: each projection equals its
+    base matmul plus each row's own adapter's delta (float64 brute force). A bias, unknown ids
+    or long runs go the other ways."""
     monkeypatch.setattr(L, "SEGMENTS", "rows")
     monkeypatch.setattr(L, "ROW_BYTES", row_bytes)
     fin, outs, per_row = 50, [40, 24, 24], 17
