@@ -212,13 +212,11 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
             first = set(sorted(names)[:p.block_size]) if p.lora_cache_blocks > 1 else set()
             before = lambda: only_read(pool, first)  # noqa: E731
         modes = (args.segments or L.SEGMENTS).split(",")
-        segment_tokens = L.SEGMENT_TOKENS
         threads = [int(t) for t in args.read_threads.split(",")] if args.read_threads else [A.READ_THREADS]
         runs, reads = [], {}
         for mode in modes:  # each way of the prefill's segments in turn, in this one engine
             for n in threads:  # and each number of threads reading adapter files
-                L.SEGMENTS, _, tokens = mode.partition("/")  # "rows/N": segments of N tokens on average or more
-                L.SEGMENT_TOKENS, A.READ_THREADS = int(tokens) if tokens else segment_tokens, n
+                L.SEGMENTS, A.READ_THREADS = mode, n
                 label = "warm" + (f"-segments-{mode}" if len(modes) > 1 else "") + \
                     (f"-read-threads-{n}" if len(threads) > 1 else "")
                 m.adapter_pool().reads = A.Reads()
@@ -320,16 +318,15 @@ def kernel_part(args: argparse.Namespace, bw: float) -> list[dict[str, Any]]:
     RANKS: the in-place delta in each tiling of CONFIGS (bytes: the rows' adapters, x, and y read
     and written), at prefill shapes also the shrink, the expand writing y (bytes: y once) and
     the projection with its deltas written first in each tiling; then the shrink alone, and what
-    a projection costs: the base matmul alone, then the in-place delta, the delta written
-    first with the matmul added onto it, and at prefill shapes the rows' gathered lanes'
-    deltas (`_row_deltas`) with the matmul added onto them."""
+    a projection costs: the base matmul alone, then the in-place delta, and the delta written
+    first with the matmul added onto it."""
     from flexoff.kernels import lora as L
     from flexoff.kernels.lora import LoraPack, lora_delta_triton, lora_expand, lora_linears, lora_shrink
 
     g = torch.Generator().manual_seed(args.seed)
     configs = {**CONFIGS, **({"decode": json.loads(args.decode_configs)} if args.decode_configs else {}),
                **({"prefill": json.loads(args.prefill_configs)} if args.prefill_configs else {})}
-    out, saved = [], (dict(L.DECODE), dict(L.PREFILL), L.WRITE_FIRST, L.SIDE_STREAM, L.SEGMENTS)
+    out, saved = [], (dict(L.DECODE), dict(L.PREFILL), L.WRITE_FIRST, L.SIDE_STREAM)
     cases = [(int(n), 1, shape, rk) for n in str(args.rows).split(",") if n for shape in SHAPES
              for rk in ("16", "64", "mixed")]
     cases += [(args.prefill_rows, args.prompt_len, shape, "mixed") for shape in SHAPES]
@@ -383,12 +380,7 @@ def kernel_part(args: argparse.Namespace, bw: float) -> list[dict[str, Any]]:
             L.WRITE_FIRST, L.SIDE_STREAM = first, side
             sec = gpu_seconds(lambda: lora_linears(x, w, None, [fout], ids, [pack], kernels=True), calls)
             out.append({**row(name, sec), "vs_base_matmul": sec / base})
-        if s > 1:  # by the rows' gathered lanes (every row its own adapter: runs too short for segments)
-            L.WRITE_FIRST, L.SEGMENTS = True, "rows"
-            sec = gpu_seconds(lambda: lora_linears(x, w, None, [fout], ids, [pack], tuple(range(n)), kernels=True),
-                              calls)
-            out.append({**row("rows' gathered lanes, matmul onto them", sec), "vs_base_matmul": sec / base})
-        L.WRITE_FIRST, L.SIDE_STREAM, L.SEGMENTS = saved[2], saved[3], saved[4]
+        L.WRITE_FIRST, L.SIDE_STREAM = saved[2], saved[3]
         del buf, x, y, w
     L.DECODE.update(saved[0])
     L.PREFILL.update(saved[1])
@@ -442,9 +434,8 @@ def main(argv: list[str] | None = None) -> int:
                          "engine")
     ap.add_argument("--segments", default=None,
                     help="population: prefill deltas by segments of rows of one adapter through cuBLAS "
-                         "(kernels.lora.SEGMENTS, its default if not given: expand, both, rows or off; MODE/N: "
-                         "segments where runs average N tokens or more, kernels.lora.SEGMENT_TOKENS); a comma list "
-                         "times each in one engine")
+                         "(kernels.lora.SEGMENTS, its default if not given: expand, both or off); a comma list times "
+                         "each in one engine")
     ap.add_argument("--stacked-prefill", choices=("on", "off"), default="on",
                     help="population: the same for prefill tiles (the shrink reads x once for all)")
     ap.add_argument("--decode-configs", default=None,

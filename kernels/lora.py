@@ -26,8 +26,7 @@ a few launches replace the per-token passes, whose cost was their latency
 (benchmarks/lora_step.py). Prefill rows in long runs of one adapter (a job's blocks group rows
 by adapter), each row's adapter known on the host, go one run at a time through cuBLAS
 (`_segment_deltas`), whose expand writes the outputs faster than the Triton expand over mixed
-adapters does; prefill rows in shorter runs go through cuBLAS's batched matmuls over each row's
-adapter's lanes, gathered and zero-padded to the block's largest rank (`_row_deltas`).
+adapters does.
 Does not know: where adapters come from, which rows have which adapter.
 """
 
@@ -141,11 +140,9 @@ TILES_STACKED = True  # the same for tiles (prefill), whose shrink then reads ea
 # lora_linears, tiles (prefill) with WRITE_FIRST, no bias, each row's adapter known on the host: where
 # rows run in groups of one adapter (a job's blocks group them) of SEGMENT_TOKENS tokens or more on
 # average, each group's deltas go through cuBLAS (`_segment_deltas`): "expand" (the Triton shrink,
-# cuBLAS's expands), "both" (cuBLAS's shrinks too), "rows" (as "both", and rows in shorter runs by
-# their adapters' lanes gathered, `_row_deltas`) or "off" (the Triton passes)
-SEGMENTS = "rows"
+# cuBLAS's expands), "both" (cuBLAS's shrinks too) or "off" (the Triton passes)
+SEGMENTS = "both"
 SEGMENT_TOKENS = 2048
-ROW_BYTES = 256 << 20  # `_row_deltas`: the most one buffer of gathered lanes takes (rows go in chunks)
 
 
 if HAVE_TRITON:
@@ -287,20 +284,6 @@ if HAVE_TRITON:
             _store(Y, B + col, Y + toks[:, None] * sy + col + outs[None, :], tl.dot(v, bt), outs[None, :],
                    om[None, :], mm[:, None] & om[None, :], r, sc, ADD, HAS_B)
 
-
-    @triton.jit
-    def _lane_rows(W, IDS, OFF, RANK, SCALE, D, K, sd, sl, SCALED: tl.constexpr, BK: tl.constexpr):
-        """Program (row, lane j, block of BK of the K columns): lane j of the row's adapter's
-        matrix (K elements from OFF + j * K in W), times the adapter's scale where SCALED, into
-        D; zeros past the adapter's rank and for rows on the base model."""
-        row, j, kb = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
-        r, sc, off = _adapter(IDS, RANK, SCALE, OFF, row)
-        cs = kb * BK + tl.arange(0, BK)
-        cm = cs < K
-        w = tl.load(W + off + j * K + cs, mask=cm & (cs * 0 + j < r), other=0.0)
-        if SCALED:
-            w = w * sc
-        tl.store(D + row * sd + j * sl + cs, w.to(D.dtype.element_ty), mask=cm)
 
     @triton.jit
     def _lane_mask(V, IDS, OWNER, SCALE, per_row, L, sv, BL: tl.constexpr):
@@ -489,8 +472,7 @@ def lora_linears(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, outs:
     after; other rows with WRITE_FIRST (the default) have the expands write scale * v @ B.T + b into each
     projection's columns and the base matmul add itself onto them (cuBLAS reads them in its
     epilogue, so y is read and written once less), else have the deltas added after the
-    matmul; written first, rows in long runs of one adapter go by segments (`_segments`), rows
-    in shorter runs by their adapters' gathered lanes (`_row_deltas`, SEGMENTS "rows").
+    matmul; written first, rows in long runs of one adapter go by segments (`_segments`).
     Which way is faster at a shape changed from one H100 run to the next
     (`benchmarks/lora.py --parts kernel`); the 1000-adapter population ran the same either way."""
     if not (kernels if kernels is not None else _kernels(x)):
@@ -528,9 +510,6 @@ def lora_linears(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, outs:
         runs = _segments(host_ids, per_row, xf.shape[0]) if tiles and b is None else None
         if runs is not None:
             _segment_deltas(xf, y, ids32, per_row, packs, outs, runs, stack)
-        elif SEGMENTS == "rows" and tiles and b is None and host_ids is not None \
-                and len(host_ids) * per_row == xf.shape[0]:
-            _row_deltas(xf, y, ids32, per_row, packs, outs, host_ids)
         else:
             deltas(y, False, b)
         y.addmm_(xf, w.t())
@@ -584,12 +563,12 @@ def _segment_deltas(xf: torch.Tensor, y: torch.Tensor, ids32: torch.Tensor, per_
     rows of one adapter at a time through cuBLAS, whose expands wrote an H200's prefill outputs
     at about 0.65 of the copy bandwidth where the Triton expand over mixed adapters reached
     about half. With SEGMENTS "expand" the shrink is still the Triton pass over every row (it
-    reads x once for a stack), with "both" or "rows" a cuBLAS matmul per segment. Projections of equal
+    reads x once for a stack), with "both" a cuBLAS matmul per segment. Projections of equal
     ranks, scales and widths whose A's and B's lie at equal distances (q, k and v; gate and up,
     in a resident pool's lanes) go as one batched matmul."""
     vs: list[torch.Tensor] | None = None  # the Triton shrink's output per projection
     v_all: torch.Tensor | None = None  # the same for a stack as one (projections, tokens, lanes)
-    if SEGMENTS == "expand":
+    if SEGMENTS != "both":
         if stack is not None:
             v_all = lora_shrink(xf, ids32, packs[0], per_row, True, stack)
             vs = list(v_all)
@@ -622,83 +601,6 @@ def _segment_deltas(xf: torch.Tensor, y: torch.Tensor, ids32: torch.Tensor, per_
             A, B = p.weights(a)
             v = x @ A.t() if vs is None else vs[i][lo:hi, :ranks[i]]
             out.addmm_(v, B, beta=0, alpha=p.scales[a])
-
-
-def _row_deltas(xf: torch.Tensor, y: torch.Tensor, ids32: torch.Tensor, per_row: int,
-                packs: Sequence[LoraPack], outs: Sequence[int], host_ids: tuple[int, ...]) -> None:
-    """Each projection's deltas written over its columns of y for rows in runs too short for
-    segments (a block of rows on many adapters): every row's adapter's A, and its B transposed
-    times its scale, gathered into per-row matrices zero-padded to the largest rank the block's
-    adapters have there (`lane_rows`), then one cuBLAS batched matmul shrinks every row's tokens
-    (stacked projections side by side: x read once) and one per projection writes its
-    expansion. Rows on the base model, and adapters that leave a projection alone, gather zeros.
-    The Triton tile passes read y's tiles once per program at about half the copy bandwidth;
-    cuBLAS writes them faster, and padding ranks costs little in FLOPs beside x's bytes. Rows go
-    in chunks whose gathered matrices take ROW_BYTES at most."""
-    used = set(host_ids) - {-1}
-    ranks = [max((p.ranks[a] for a in used), default=0) for p in packs]
-    rows, K = len(host_ids), xf.shape[1]
-    if not sum(ranks):
-        y.zero_()
-        return
-    starts = [sum(outs[:i]) for i in range(len(outs))]
-    widest = max(sum(ranks) * K, *(r * n for r, n in zip(ranks, outs))) * xf.element_size()
-    step = max(1, min(rows, ROW_BYTES // widest))
-    x3, y3 = xf.view(rows, per_row, K), y.view(rows, per_row, y.shape[1])
-    for r0 in range(0, rows, step):
-        ids = ids32[r0:r0 + step]
-        A = torch.empty(ids.shape[0], sum(ranks), K, dtype=xf.dtype, device=xf.device)
-        lane = 0
-        for p, r in zip(packs, ranks):
-            lane_rows(p.buf, ids, p.a_off, p.rank, None, A[:, lane:lane + r])
-            lane += r
-        v = torch.bmm(x3[r0:r0 + step], A.transpose(1, 2))
-        del A
-        lane = 0
-        for p, r, c, n in zip(packs, ranks, starts, outs):
-            out = y3[r0:r0 + step, :, c:c + n]
-            if not r:
-                out.zero_()
-                continue
-            Bt = lane_rows(p.buf, ids, p.b_off, p.rank, p.scale,
-                           torch.empty(ids.shape[0], r, n, dtype=xf.dtype, device=xf.device))
-            out.baddbmm_(v[:, :, lane:lane + r], Bt, beta=0)
-            lane += r
-
-
-def lane_rows_ref(w: torch.Tensor, ids: torch.Tensor, off: torch.Tensor, rank: torch.Tensor,
-                  scale: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-    """out (rows, R, K) in place: row i's adapter's matrix (rank lanes of K elements from its
-    offset in the flat w), times its scale where `scale` is given, in its first lanes; every
-    other lane, and every lane of a row on the base model (id -1), 0."""
-    out.zero_()
-    R, K = out.shape[1], out.shape[2]
-    for i, a in enumerate(ids.tolist()):
-        if a < 0:
-            continue
-        r, o = min(int(rank[a]), R), int(off[a])
-        m = w[o:o + r * K].view(r, K)
-        out[i, :r] = m if scale is None else m.to(torch.promote_types(m.dtype, torch.float32)) * scale[a]
-    return out
-
-
-def lane_rows_triton(w: torch.Tensor, ids: torch.Tensor, off: torch.Tensor, rank: torch.Tensor,
-                     scale: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-    """lane_rows_ref's kernel (ids int32; out's lanes of unit stride and evenly spaced)."""
-    rows, R, K = out.shape
-    if rows and R:
-        bk = min(4096, triton.next_power_of_2(K))
-        _lane_rows[(rows, R, triton.cdiv(K, bk))](w, ids, off, rank, scale if scale is not None else rank, out, K,
-                                                   out.stride(0), out.stride(1), SCALED=scale is not None, BK=bk)
-    return out
-
-
-def lane_rows(w: torch.Tensor, ids: torch.Tensor, off: torch.Tensor, rank: torch.Tensor,
-              scale: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-    """The dispatch: the kernel on CUDA, else the reference."""
-    if HAVE_TRITON and out.is_cuda:
-        return lane_rows_triton(w, ids, off, rank, scale, out)
-    return lane_rows_ref(w, ids, off, rank, scale, out)
 
 
 def lane_mask_ref(v: torch.Tensor, ids: torch.Tensor, owner: torch.Tensor, scale: torch.Tensor,

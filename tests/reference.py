@@ -213,21 +213,3 @@ def lp_beats_grid(model: Any, budget: Any, points: Any, latency: float) -> int:
             assert latency <= model.evaluate(point).latency * (1 + 1e-7), point
             checked += 1
     return checked
-
-
-def prefill_ways(L: Any, way: str, monkeypatch: Any) -> tuple[list[int], list[int]]:
-    """Forces one way of the LoRA prefill deltas (`kernels.lora`, L) for prompts of 20 tokens:
-    "tiles" (the Triton passes), "expand" or "both" (by segments: every run long enough) or
-    "rows" (every run too short: the rows' gathered lanes); returns lists that grow by one at
-    each call of the segments' way and of the rows' way."""
-    if way == "tiles":
-        monkeypatch.setattr(L, "SEGMENTS", "off")
-    else:
-        monkeypatch.setattr(L, "SEGMENTS", way)
-        monkeypatch.setattr(L, "SEGMENT_TOKENS", 10 ** 9 if way == "rows" else 1)
-    segmented: list[int] = []
-    rowed: list[int] = []
-    for fn, calls in (("_segment_deltas", segmented), ("_row_deltas", rowed)):
-        real = getattr(L, fn)
-        monkeypatch.setattr(L, fn, lambda *a, _real=real, _calls=calls, **k: _calls.append(1) or _real(*a, **k))
-    return segmented, rowed

@@ -16,7 +16,7 @@ import torch
 from flexoff import LLM, Policy
 from flexoff.cli import main
 from flexoff.errors import PolicyError
-from reference import PROMPTS, make_adapters, prefill_ways
+from reference import PROMPTS, make_adapters
 
 peft = pytest.importorskip("peft")
 
@@ -659,7 +659,7 @@ def test_training_sweep_lora_gradients_equal_peft_autograd(tiny, tmp_path, polic
 
 @pytest.mark.skipif(not __import__("flexoff.kernels.lora", fromlist=["HAVE_TRITON"]).HAVE_TRITON,
                     reason="triton is not installed")
-@pytest.mark.parametrize("batched,segments", [(False, "expand"), (True, "expand"), (True, "both"), (True, "rows")])
+@pytest.mark.parametrize("batched,segments", [(False, "expand"), (True, "expand"), (True, "both")])
 def test_resident_pool_computes_deltas_as_each_adapter_would(batched, segments, monkeypatch):
     """A resident pool lays each matmul's adapters out as rank lanes (q, k and v side by side, so
     one matmul shrinks onto all three): decode rows through them (lora_linears' dense way) equal
@@ -669,8 +669,7 @@ def test_resident_pool_computes_deltas_as_each_adapter_would(batched, segments, 
     before), and one that empties the cache; the plan's lanes per matmul are the most any
     block's adapters take there. Prefill rows (20 tokens, no bias) go by segments of one
     adapter through cuBLAS (`segments`: after the Triton shrink, or with cuBLAS's shrinks),
-    projections of equal ranks and widths (gate and up) as one batched matmul, or ("rows") by
-    their adapters' lanes gathered from the pool."""
+    projections of equal ranks and widths (gate and up) as one batched matmul."""
     from types import SimpleNamespace
 
     from flexoff.adapters.peft import Adapter, LoraModule
@@ -679,15 +678,21 @@ def test_resident_pool_computes_deltas_as_each_adapter_would(batched, segments, 
     from flexoff.offload.adapters import AdapterPool
 
     monkeypatch.setattr(L, "BATCHED_EXPAND", batched)
-    segmented, rowed = prefill_ways(L, segments, monkeypatch)
-    grouped = []
-    real_spaced = L._spaced
+    monkeypatch.setattr(L, "SEGMENTS", segments)
+    monkeypatch.setattr(L, "SEGMENT_TOKENS", 1)
+    calls = {"segments": 0, "grouped": 0}
+    real_segments, real_spaced = L._segment_deltas, L._spaced
+
+    def segmented(*a, **k):
+        calls["segments"] += 1
+        return real_segments(*a, **k)
 
     def spaced(ts):
         got = real_spaced(ts)
-        grouped.append(got is not None and len(ts[0]) > 0 and ts[0].shape[1] == 160)  # gate and up's B
+        calls["grouped"] += got is not None and len(ts[0]) > 0 and ts[0].shape[1] == 160  # gate and up's B
         return got
 
+    monkeypatch.setattr(L, "_segment_deltas", segmented)
     monkeypatch.setattr(L, "_spaced", spaced)
     spec = load_model("dummy:llama-tiny").spec  # grouped KV heads: k and v narrower than q
     g = torch.Generator().manual_seed(0)
@@ -743,24 +748,28 @@ def test_resident_pool_computes_deltas_as_each_adapter_would(batched, segments, 
                                 want[r, :, c0:c0 + n] += m.scaling * (x[r] @ m.A.t()) @ m.B.t()
                             c0 += n
                     assert (got - want).abs().max() <= 1e-10 * want.abs().max(), (blk, keys, per_row)
-    assert len(rowed if segments == "rows" else segmented) == prefills  # every prefill went that way
-    assert not (segmented if segments == "rows" else rowed)
-    assert any(grouped)
+    assert calls["segments"] == prefills  # every prefill went by segments
+    assert calls["grouped"] > 0
 
 
 @pytest.mark.skipif(not __import__("flexoff.kernels.lora", fromlist=["HAVE_TRITON"]).HAVE_TRITON,
                     reason="triton is not installed")
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
-@pytest.mark.parametrize("segments", ["tiles", "expand", "both", "rows"])
+@pytest.mark.parametrize("segments", ["tiles", "expand", "both"])
 def test_the_kernels_in_the_engine_equal_peft(tiny, name, segments, tmp_path, monkeypatch):
     """With the kernels serving the engine (on the CPU through TRITON_INTERPRET): resident
     weights decode through the pool's rank lanes densely, and a prompt of 20 tokens prefills in
-    tiles (the Triton passes, by segments of rows of one adapter through cuBLAS, or by rows
-    through their adapters' gathered lanes); per row, greedy tokens equal PEFT's with the row's
-    adapter active, over blocks that find adapters cached and blocks that copy their own."""
+    tiles (the Triton passes, or by segments of rows of one adapter through cuBLAS); per row,
+    greedy tokens equal PEFT's with the row's adapter active, over blocks that find adapters
+    cached and blocks that copy their own."""
     from flexoff.kernels import lora as L
 
-    segmented, rowed = prefill_ways(L, segments, monkeypatch)
+    if segments != "tiles":  # rows of 20 tokens are segments long enough
+        monkeypatch.setattr(L, "SEGMENTS", segments)
+        monkeypatch.setattr(L, "SEGMENT_TOKENS", 1)
+    segmented = []
+    real_segments = L._segment_deltas
+    monkeypatch.setattr(L, "_segment_deltas", lambda *a, **k: segmented.append(1) or real_segments(*a, **k))
 
     path = tiny[name].path
     adapters = make_adapters(path, name, tmp_path)
@@ -775,5 +784,4 @@ def test_the_kernels_in_the_engine_equal_peft(tiny, name, segments, tmp_path, mo
         got = llm.generate([{"prompt_ids": p, "adapter": a} for a, p in zip(assign, prompts)], max_new_tokens=6)
     assert [c.token_ids for c in got.completions] == want
     assert dense
-    assert bool(segmented) == (segments in ("expand", "both"))
-    assert bool(rowed) == (segments == "rows")
+    assert bool(segmented) == (segments != "tiles")

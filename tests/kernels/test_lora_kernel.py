@@ -250,77 +250,6 @@ def test_lane_mask_kernel_equals_reference(tokens, per_row, lanes, dtype):
     assert torch.equal(want, brute.to(dtype))
 
 
-@pytest.mark.parametrize("ranks,ids,R,K", [([3, 16, 0, 1], [0, -1, 1, 3, 2, 0], 16, 37),
-                                           ([8, 64], [1, 0, -1], 64, 70), ([5], [-1, -1, 0], 9, 4100)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("scaled", [False, True])
-def test_lane_rows_kernel_equals_reference(ranks, ids, R, K, dtype, scaled):
-    """The rows' gathered lanes (`_row_deltas`): each row's adapter's A (or B transposed times
-    its scale) in its first lanes, zeros past its rank, for rank-0 adapters and for rows on the
-    base model, written into lanes R wide from an offset of a wider buffer whose other lanes
-    stay as they were; the buffer's gaps (NaN) never read."""
-    p, mats = scattered(ranks, K, 30, dtype, len(ids))
-    idx = torch.tensor(ids, dtype=torch.int32)
-    scale = p.scale if scaled else None
-    wide = torch.full((len(ids), R + 5, K), 7.0, dtype=dtype)
-    want = L.lane_rows_ref(p.buf.cpu(), idx, p.a_off.cpu(), p.rank.cpu(), None if scale is None else scale.cpu(),
-                           wide.clone()[:, 2:2 + R])
-    got = wide.clone().to(DEV)
-    L.lane_rows_triton(p.buf, idx.to(DEV), p.a_off, p.rank, scale, got[:, 2:2 + R])
-    got = got.cpu()
-    torch.testing.assert_close(got[:, 2:2 + R], want, rtol=0, atol=0)
-    assert (got[:, :2] == 7).all() and (got[:, 2 + R:] == 7).all()
-    brute = torch.zeros(len(ids), R, K, dtype=torch.float64)
-    for i, a in enumerate(ids):
-        if a >= 0:
-            A, _, sc = mats[a]
-            brute[i, :ranks[a]] = A.to(dtype).double() * (sc if scaled else 1.0)
-    assert (want.double() - brute).abs().max() <= (torch.finfo(dtype).eps if scaled else 0) * brute.abs().max()
-
-
-@pytest.mark.parametrize("pool", [False, True], ids=["scattered", "pooled"])
-@pytest.mark.parametrize("row_bytes", [1 << 30, 1], ids=["one-chunk", "row-by-row"])
-def test_rows_of_short_runs_go_by_gathered_lanes(pool, row_bytes, monkeypatch):
-    """Prefill rows in runs of one adapter too short for segments (SEGMENTS "rows"), each row's
-    adapter known on the host, go by their adapters' gathered lanes through batched matmuls,
-    in one chunk of rows or one row at a time, for stacked projections of unequal widths whose
-    adapters leave some alone (rank 0) and rows on the base model: each projection equals its
-    base matmul plus each row's own adapter's delta (float64 brute force). A bias, unknown ids
-    or long runs go the other ways."""
-    monkeypatch.setattr(L, "SEGMENTS", "rows")
-    monkeypatch.setattr(L, "ROW_BYTES", row_bytes)
-    fin, outs, per_row = 50, [40, 24, 24], 17
-    ranks = [[4, 0, 16, 2], [4, 9, 0, 2], [4, 9, 3, 2]]
-    if pool:
-        packs = pooled(ranks, fin, outs[0], [1, 0, 2], 3)
-        outs = [outs[0]] * 3
-    else:
-        packs = [scattered(r, fin, n, torch.float32, k)[0] for k, (r, n) in enumerate(zip(ranks, outs))]
-    host = (2, -1, 0, 1, 3, 1, 2, -1)
-    ids = torch.tensor(host, dtype=torch.int32, device=DEV)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(len(host), per_row, fin, generator=g).to(DEV)
-    w = torch.randn(sum(outs), fin, generator=g).to(DEV)
-    calls = []
-    real = L._row_deltas
-    monkeypatch.setattr(L, "_row_deltas", lambda *a, **k: calls.append(1) or real(*a, **k))
-    got = L.lora_linears(x, w, None, outs, ids, packs, host, kernels=True)
-    assert len(calls) == 1
-    want = F.linear(x.double(), w.double()).split(outs, -1)
-    for k, (gk, wk, p) in enumerate(zip(got, want, packs)):
-        wk = wk.clone()
-        for i, a in enumerate(host):
-            if a >= 0 and p.ranks[a]:
-                A, Bt = (m.double() for m in p.weights(a))
-                wk[i] += p.scales[a] * (x[i].double() @ A.t()) @ Bt
-        assert (gk.double() - wk).abs().max() <= (1e-5 if DEV == "cpu" else 5e-3) * wk.abs().max(), k
-    L.lora_linears(x, w, torch.zeros(sum(outs), device=DEV), outs, ids, packs, host, kernels=True)
-    L.lora_linears(x, w, None, outs, ids, packs, None, kernels=True)
-    monkeypatch.setattr(L, "SEGMENT_TOKENS", 1)
-    L.lora_linears(x, w, None, outs, ids, packs, host, kernels=True)
-    assert len(calls) == 1
-
-
 SM90_COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
@@ -341,8 +270,6 @@ kernels = [
                           TILES=i32, CH=i32, NP=i32, SB1=i64, SB2=i64, SR1=i64, SR2=i64, SS1=i64, SS2=i64),
      dict(R=64, BM=128, BN=128, EB=8, ADD=True, HAS_B=False)),
     (L._lane_mask, dict(V=p16, IDS="*i32", OWNER="*i32", SCALE="*fp32", per_row=i32, L=i32, sv=i32), dict(BL=1024)),
-    (L._lane_rows, dict(W=p16, IDS="*i32", OFF="*i64", RANK="*i32", SCALE="*fp32", D=p16, K=i32, sd=i32, sl=i32),
-     dict(SCALED=True, BK=4096)),
     (C._copy_pieces, dict(SRC=p16, DST=p16, TABLE="*i64"), dict(BLOCK=C.BLOCK, PIECE=C.PIECE)),
 ]
 for fn, sig, ce in kernels:
@@ -355,7 +282,7 @@ for fn, sig, ce in kernels:
 
 def test_kernels_compile_for_the_gpu():
     """The decode and prefill passes, stacked projections' shifts included, the dense decode's
-    mask, the rows' gathered lanes and the pool's copies (kernels.copies) compile for sm_90 (no GPU needed): the interpreter accepts code the GPU compiler may refuse."""
+    mask and the pool's copies (kernels.copies) compile for sm_90 (no GPU needed): the interpreter accepts code the GPU compiler may refuse."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", SM90_COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
