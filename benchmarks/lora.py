@@ -139,7 +139,6 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
         L.WRITE_FIRST = args.deltas == "first"
     L.SIDE_STREAM = args.side_stream == "on"
     L.DENSE = args.dense == "on"
-    L.LANES_FIRST = args.lanes_first == "on"
     L.STACKED = args.stacked == "on"
     L.TILES_STACKED = args.stacked_prefill == "on"
     L.DECODE.update(json.loads(args.decode_tiling))
@@ -236,8 +235,7 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
         extra = {"adapters": args.adapters, "used_adapters": len(used), "mean_rank": mean_rank,
                  "deltas": "first" if L.WRITE_FIRST else "after",
                  "decode_tiling": args.decode_tiling, "prefill_tiling": args.prefill_tiling,
-                 "side_stream": args.side_stream, "dense": args.dense, "lanes_first": args.lanes_first,
-                 "stacked": args.stacked,
+                 "side_stream": args.side_stream, "dense": args.dense, "stacked": args.stacked,
                  "stacked_prefill": args.stacked_prefill, "segments": ",".join(modes),
                  "policy": m.last_policy.describe(), "auto": auto, "setup_adapters_s": made, "job_prompts": job,
                  "adapters_from": "files" if args.adapter_dir else "memory",
@@ -389,13 +387,6 @@ def kernel_part(args: argparse.Namespace, bw: float) -> list[dict[str, Any]]:
     return out
 
 
-def L_LANES_FIRST() -> bool:
-    """kernels.lora.LANES_FIRST's default."""
-    from flexoff.kernels import lora as L
-
-    return L.LANES_FIRST
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default="population,peft,kernel")
@@ -431,8 +422,6 @@ def main(argv: list[str] | None = None) -> int:
                          "after it (default: the kernels' WRITE_FIRST)")
     ap.add_argument("--side-stream", choices=("on", "off"), default="on",
                     help="population: decode deltas on a stream of their own beside the base matmul, or not")
-    ap.add_argument("--lanes-first", choices=("on", "off"), default="on" if L_LANES_FIRST() else "off",
-                    help="population: the dense decode's shrink as lanes x tokens (kernels.lora.LANES_FIRST)")
     ap.add_argument("--dense", choices=("on", "off"), default="on",
                     help="population: decode deltas of resident adapters through dense matmuls over the pool's "
                          "rank lanes (kernels.lora.DENSE), or the token-by-token passes")

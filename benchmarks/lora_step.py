@@ -11,7 +11,6 @@ engine's adapter pool holds them when the weights are resident (rank lanes per m
   (q, k, v; gate, up), the shrink beside the base matmul on a stream of its own;
 - `dense-unbatched`: the same with one matmul per projection's expand;
 - `dense-inline`: `dense` on one stream;
-- `dense-lanes-first`: `dense` with the shrink as lanes x tokens (kernels.lora.LANES_FIRST);
 - `passes`: the token-by-token shrink and expand kernels (DENSE off; what a paged pool runs),
   beside the base matmul on a stream of their own;
 - `passes-inline`: the same written first, the base matmul added onto them.
@@ -54,10 +53,9 @@ def block_of(spec: Any, n: int, rows: int, seed: int, device: torch.device) -> t
     return pool, names
 
 
-VARIANTS = {"base": None, "dense": (True, True, True, False), "dense-unbatched": (True, True, False, False),
-            "dense-inline": (True, False, True, False), "dense-lanes-first": (True, True, True, True),
-            "passes": (False, True, False, False),
-            "passes-inline": (False, False, False, False)}  # (DENSE, SIDE_STREAM, BATCHED_EXPAND, LANES_FIRST)
+VARIANTS = {"base": None, "dense": (True, True, True), "dense-unbatched": (True, True, False),
+            "dense-inline": (True, False, True), "passes": (False, True, False),
+            "passes-inline": (False, False, False)}  # (DENSE, SIDE_STREAM, BATCHED_EXPAND)
 
 
 def run_group(variant: str, weights: dict, xs: dict, pool: Any, ids: torch.Tensor, host: tuple[int, ...],
@@ -68,13 +66,13 @@ def run_group(variant: str, weights: dict, xs: dict, pool: Any, ids: torch.Tenso
     w, x = weights[key], xs[weights[key].shape[1]]
     if VARIANTS[variant] is None:
         return [F.linear(x, w)]
-    saved = L.DENSE, L.SIDE_STREAM, L.BATCHED_EXPAND, L.LANES_FIRST
-    L.DENSE, L.SIDE_STREAM, L.BATCHED_EXPAND, L.LANES_FIRST = VARIANTS[variant]
+    saved = L.DENSE, L.SIDE_STREAM, L.BATCHED_EXPAND
+    L.DENSE, L.SIDE_STREAM, L.BATCHED_EXPAND = VARIANTS[variant]
     try:
         packs = [pool.packs[(key[0], f"{p}.weight")] for p in key[1]]
         return L.lora_linears(x, w, None, outs[key], ids, packs, host, kernels=True)
     finally:
-        L.DENSE, L.SIDE_STREAM, L.BATCHED_EXPAND, L.LANES_FIRST = saved
+        L.DENSE, L.SIDE_STREAM, L.BATCHED_EXPAND = saved
 
 
 def setup(model: str, rows: int, blocks: int, device: str) -> tuple[Any, dict, dict, dict]:

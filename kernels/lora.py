@@ -132,7 +132,6 @@ DECODE = {"lanes_from": 16, "lane_k": 0, "split_k": 256, "bk": 512, "split_bk": 
           "erc": 0, "bn": 256, "warps": 4}
 PREFILL = {"bm": 128, "bk": 64, "bn": 128, "ebm": 64, "blocks": 8, "warps": 8, "ewarps": 4, "estages": 3}
 DENSE = True  # lora_linears, decode rows of packs with lanes (`Dense`): the dense matmuls, not the passes
-LANES_FIRST = False  # the dense way: the shrink as lanes x tokens (A @ x.T), which cuBLAS tiles otherwise
 BATCHED_EXPAND = True  # the dense way: a stack's expands as one batched matmul where lanes and widths match
 WRITE_FIRST = True  # lora_linears, tiles: the deltas written first and the base matmul added onto them
 SIDE_STREAM = True  # lora_linears, decode rows on CUDA: deltas beside the base matmul on a stream of their own
@@ -287,21 +286,16 @@ if HAVE_TRITON:
 
 
     @triton.jit
-    def _lane_mask(V, IDS, OWNER, SCALE, per_row, T, L, sv, sl, BT: tl.constexpr, BL: tl.constexpr):
-        """Program (block of BT tokens, block of BL lanes): v times the lane's scale where the
-        lane is the token's adapter's, else 0 (v's tokens sv apart, its lanes sl: either may be 1)."""
-        tb, lb = tl.program_id(0), tl.program_id(1)
-        ts = tb * BT + tl.arange(0, BT)
+    def _lane_mask(V, IDS, OWNER, SCALE, per_row, L, sv, BL: tl.constexpr):
+        """Program (token, block of BL lanes): v times the lane's scale where the lane is the
+        token's adapter's, else 0."""
+        tok, lb = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        a = tl.load(IDS + tok // per_row)
         ls = lb * BL + tl.arange(0, BL)
-        tm, lm = ts < T, ls < L
-        a = tl.load(IDS + ts // per_row, mask=tm, other=-2)
+        lm = ls < L
         own = tl.load(OWNER + ls, mask=lm, other=-1)
-        sc = tl.load(SCALE + ls, mask=lm, other=0.0)
-        ptr = V + ts.to(tl.int64)[:, None] * sv + ls.to(tl.int64)[None, :] * sl
-        m = tm[:, None] & lm[None, :]
-        v = tl.load(ptr, mask=m, other=0.0).to(tl.float32) * sc[None, :]
-        keep = (own[None, :] == a[:, None]) & (own[None, :] >= 0)
-        tl.store(ptr, tl.where(keep, v, 0.0).to(V.dtype.element_ty), mask=m)
+        v = tl.load(V + tok * sv + ls, mask=lm, other=0.0).to(tl.float32) * tl.load(SCALE + ls, mask=lm, other=0.0)
+        tl.store(V + tok * sv + ls, tl.where((own == a) & (own >= 0), v, 0.0).to(V.dtype.element_ty), mask=lm)
 
 
 class _Stack(NamedTuple):
@@ -621,11 +615,10 @@ def lane_mask_ref(v: torch.Tensor, ids: torch.Tensor, owner: torch.Tensor, scale
 
 def lane_mask_triton(v: torch.Tensor, ids: torch.Tensor, owner: torch.Tensor, scale: torch.Tensor,
                      per_row: int) -> torch.Tensor:
-    """lane_mask_ref's kernel (ids int32; v's tokens or its lanes of unit stride)."""
+    """lane_mask_ref's kernel (ids int32; v's lanes of unit stride)."""
     tokens, lanes = v.shape
-    bt, bl = (1, 1024) if v.stride(1) == 1 else (32, 64)
-    _lane_mask[(triton.cdiv(tokens, bt), triton.cdiv(lanes, bl))](v, ids, owner, scale, per_row, tokens, lanes,
-                                                                  v.stride(0), v.stride(1), BT=bt, BL=bl)
+    bl = 1024
+    _lane_mask[(tokens, triton.cdiv(lanes, bl))](v, ids, owner, scale, per_row, lanes, v.stride(0), BL=bl)
     return v
 
 
@@ -669,17 +662,11 @@ def _dense_linears(xf: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, ou
     (on a side stream beside the base matmul, with SIDE_STREAM on CUDA), then each projection's
     masked lanes expanded onto its columns of y."""
     runs = _lane_runs(packs)
-    if LANES_FIRST:  # v as lanes x tokens, seen transposed
-        vs = [torch.empty(r.A.shape[0], xf.shape[0], dtype=xf.dtype, device=xf.device).t() for r in runs]
-    else:
-        vs = [torch.empty(xf.shape[0], r.A.shape[0], dtype=xf.dtype, device=xf.device) for r in runs]  # on main
+    vs = [torch.empty(xf.shape[0], r.A.shape[0], dtype=xf.dtype, device=xf.device) for r in runs]  # on main
 
     def shrink() -> None:
         for r, v in zip(runs, vs):
-            if LANES_FIRST:
-                torch.mm(r.A, xf.t(), out=v.t())
-            else:
-                torch.mm(xf, r.A.t(), out=v)
+            torch.mm(xf, r.A.t(), out=v)
             lane_mask(v, ids32, r.owner, r.scale, per_row)
 
     side = SIDE_STREAM and xf.is_cuda

@@ -659,9 +659,8 @@ def test_training_sweep_lora_gradients_equal_peft_autograd(tiny, tmp_path, polic
 
 @pytest.mark.skipif(not __import__("flexoff.kernels.lora", fromlist=["HAVE_TRITON"]).HAVE_TRITON,
                     reason="triton is not installed")
-@pytest.mark.parametrize("batched,segments,lanes_first", [(False, "expand", False), (True, "expand", True),
-                                                           (True, "both", False)])
-def test_resident_pool_computes_deltas_as_each_adapter_would(batched, segments, lanes_first, monkeypatch):
+@pytest.mark.parametrize("batched,segments", [(False, "expand"), (True, "expand"), (True, "both")])
+def test_resident_pool_computes_deltas_as_each_adapter_would(batched, segments, monkeypatch):
     """A resident pool lays each matmul's adapters out as rank lanes (q, k and v side by side, so
     one matmul shrinks onto all three): decode rows through them (lora_linears' dense way) equal
     x @ w.T + b plus each row's own adapter's delta from its modules, for adapters of mixed ranks
@@ -679,7 +678,6 @@ def test_resident_pool_computes_deltas_as_each_adapter_would(batched, segments, 
     from flexoff.offload.adapters import AdapterPool
 
     monkeypatch.setattr(L, "BATCHED_EXPAND", batched)
-    monkeypatch.setattr(L, "LANES_FIRST", lanes_first)
     monkeypatch.setattr(L, "SEGMENTS", segments)
     monkeypatch.setattr(L, "SEGMENT_TOKENS", 1)
     calls = {"segments": 0, "grouped": 0}

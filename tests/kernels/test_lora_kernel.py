@@ -225,10 +225,9 @@ def test_stacked_deltas_in_one_launch_equal_the_reference(rows, n, bias, tokens,
         assert (g - r).abs().max() <= tol * r.abs().max()
 
 
-@pytest.mark.parametrize("tokens,per_row,lanes", [(5, 1, 37), (6, 3, 1500), (1, 1, 2049), (40, 1, 70)])
+@pytest.mark.parametrize("tokens,per_row,lanes", [(5, 1, 37), (6, 3, 1500), (1, 1, 2049)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("lanes_first", [False, True])
-def test_lane_mask_kernel_equals_reference(tokens, per_row, lanes, dtype, lanes_first):
+def test_lane_mask_kernel_equals_reference(tokens, per_row, lanes, dtype):
     """The dense decode's mask: each token keeps its row's adapter's lanes times their scale,
     every other lane (another adapter's, a free lane marked -1, any lane of a base row) 0,
     whatever was there (infinities included)."""
@@ -240,8 +239,7 @@ def test_lane_mask_kernel_equals_reference(tokens, per_row, lanes, dtype, lanes_
     v = torch.randn(tokens, lanes, generator=g).to(dtype)
     v[:, owner == -1] = float("inf")
     want = L.lane_mask_ref(v.clone(), ids, owner, scale, per_row)
-    v_dev = v.clone().t().contiguous().to(DEV).t() if lanes_first else v.clone().to(DEV)  # tokens of unit stride
-    got = L.lane_mask_triton(v_dev, ids.to(DEV), owner.to(DEV), scale.to(DEV), per_row).cpu()
+    got = L.lane_mask_triton(v.clone().to(DEV), ids.to(DEV), owner.to(DEV), scale.to(DEV), per_row).cpu()
     # the interpreter rounds float32 to bfloat16 its own way: one unit in the last place
     torch.testing.assert_close(got, want, rtol=2 ** -7 if dtype == torch.bfloat16 else 0, atol=0)
     brute = torch.zeros(tokens, lanes)
@@ -271,8 +269,7 @@ kernels = [
     (L._tile_expand, dict(Y=p16, B=p16, **{**common, "V": p16}, BOFF="*i64", N=i32, sy=i32, NT=i32, NB=i32,
                           TILES=i32, CH=i32, NP=i32, SB1=i64, SB2=i64, SR1=i64, SR2=i64, SS1=i64, SS2=i64),
      dict(R=64, BM=128, BN=128, EB=8, ADD=True, HAS_B=False)),
-    (L._lane_mask, dict(V=p16, IDS="*i32", OWNER="*i32", SCALE="*fp32", per_row=i32, T=i32, L=i32, sv=i32, sl=i32),
-     dict(BT=32, BL=64)),
+    (L._lane_mask, dict(V=p16, IDS="*i32", OWNER="*i32", SCALE="*fp32", per_row=i32, L=i32, sv=i32), dict(BL=1024)),
     (C._copy_pieces, dict(SRC=p16, DST=p16, TABLE="*i64"), dict(BLOCK=C.BLOCK, PIECE=C.PIECE)),
 ]
 for fn, sig, ce in kernels:
