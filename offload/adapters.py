@@ -272,8 +272,8 @@ class AdapterPool:
             count += 1
             used = {n for n in names if n is not None}
             adapters = max(adapters, len(used))
-            elements = max(elements, sum(self.adapters[n].numel for n in used))
-            largest = max([largest, *(self.adapters[n].numel for n in used)])
+            sizes = [self.adapters[n].numel for n in used]
+            elements, largest = max(elements, sum(sizes)), max([largest, *sizes])
             per: dict[int, int] = {}
             ranks: dict[Key, int] = {}
             for n in used:
@@ -453,6 +453,8 @@ class AdapterPool:
         """READ_THREADS threads that read adapter files (more than one was slower on the H200:
         their reads slowed the blocks running beside them more than they gained)."""
         if self._readers_of is None or self._readers_of[0] != READ_THREADS:
+            if self._readers_of is not None:  # READ_THREADS changed: the old pool's threads end, idle
+                self._readers_of[1].shutdown(wait=False)
             pool = ThreadPoolExecutor(READ_THREADS, thread_name_prefix="flexoff-adapters-read")
             self._readers_of = (READ_THREADS, pool)
         return self._readers_of[1]
