@@ -173,16 +173,21 @@ def fake_pinning(monkeypatch) -> dict[int, int]:
     return registered
 
 
-@pytest.mark.parametrize("pinned", [False, True], ids=["unpinned", "pinned"])
+@pytest.mark.parametrize("pinned,readers", [(False, 1), (True, 1), (True, 2)],
+                         ids=["unpinned", "pinned", "pinned-two-readers"])
 @pytest.mark.parametrize("policy", POLICIES[:2], ids=["resident", "streamed"])
-def test_adapters_are_read_from_their_files_into_a_cache_of_two_blocks(tiny, tmp_path, monkeypatch, policy, pinned):
+def test_adapters_are_read_from_their_files_into_a_cache_of_two_blocks(tiny, tmp_path, monkeypatch, policy, pinned,
+                                                                       readers):
     """Six adapters from PEFT folders, a job of blocks of one adapter each: every row's tokens
     equal PEFT's with its adapter; each file is read once per job, a block's while the block
-    before it runs; host memory keeps at most two blocks' adapters (and the plan counts only those).
-    Pinned (as for a GPU; pinning faked): the host copies take runs of one arena of the cache's
-    room, never sharing a byte, and a copy pinned on its own is unpinned once dropped."""
+    before it runs (by `readers` threads, READ_THREADS); host memory keeps at most two blocks'
+    adapters (and the plan counts only those). Pinned (as for a GPU; pinning faked): the host
+    copies take runs of one arena of the cache's room, never sharing a byte, and a copy pinned
+    on its own is unpinned once dropped."""
+    from flexoff.offload import adapters as pool_mod
     from flexoff.offload import tiers
 
+    monkeypatch.setattr(pool_mod, "READ_THREADS", readers)
     registered = fake_pinning(monkeypatch) if pinned else {}
     path, made, prompt, names, want, reads, threads = six_adapters_counted(tiny, tmp_path, monkeypatch)
     job = [{"prompt_ids": prompt, "adapter": n} for n in names for _ in range(policy.gpu_batch_size)]
@@ -191,8 +196,10 @@ def test_adapters_are_read_from_their_files_into_a_cache_of_two_blocks(tiny, tmp
         got = llm.generate(job, max_new_tokens=6).completions
         assert [c.token_ids for c in got] == [want[r["adapter"][0]] for r in job]
         assert sorted(reads) == names  # each adapter read once
-        # the first block's read when it began, each later one's while the block before it ran
-        assert threads[0] == threading.current_thread().name
+        # the first block's read when it began (by the readers' pool, if several), each later
+        # one's while the block before it ran
+        assert threads[0] == threading.current_thread().name if readers == 1 else \
+            threads[0].startswith("flexoff-adapters-read")
         assert all(t.startswith("flexoff-adapters") for t in threads[1:])
         pool = llm.adapter_pool()
         assert pool.reads.adapters == len(names) and pool.reads.read_s > 0  # every read counted
