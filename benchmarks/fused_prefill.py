@@ -37,25 +37,30 @@ except ImportError:  # measured on a GPU only
 
 # (K, N): the projections' inputs and stacked outputs
 SHAPES = {"qkv": (4096, 12288), "o": (4096, 4096), "gate_up": (4096, 22016), "down": (11008, 4096)}
-# (BM, BN, BK, stages, warps, persistent)
-TILINGS = [(128, 256, 64, 3, 8, True), (128, 256, 64, 3, 8, False), (128, 128, 64, 4, 8, True),
-           (128, 128, 64, 4, 4, True), (256, 128, 64, 3, 8, True), (128, 128, 128, 3, 8, True)]
+# (BM, BN, BK, stages, warps, persistent, LoRA mode, TMA store, flatten)
+TILINGS = [(128, 256, 64, 3, 8, True, 0, True, True), (128, 256, 64, 3, 8, True, 2, False, True),
+           (128, 256, 64, 3, 8, True, 2, False, False), (128, 256, 64, 2, 8, True, 2, True, True),
+           (128, 256, 64, 3, 8, False, 2, False, True), (128, 128, 64, 4, 8, True, 2, True, True),
+           (128, 128, 64, 4, 8, True, 2, True, False), (128, 128, 64, 4, 8, True, 1, True, True),
+           (128, 256, 64, 3, 8, True, 1, False, True)]
 RANKS = (8, 16, 32, 64)
 
 if triton is not None:
     @triton.jit
-    def _matmul(a_desc, b_desc, c_desc, V, BT, TILE_AD, BOFF, RANK, SCALE, M, N, K,
+    def _matmul(a_desc, b_desc, c_desc, v_desc, C, V, BT, TILE_AD, BOFF, RANK, SCALE, M, N, K,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, R: tl.constexpr,
-                GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr, LORA: tl.constexpr):
+                GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr, LORA: tl.constexpr, TMA_STORE: tl.constexpr,
+                FLATTEN: tl.constexpr):
         """C = A @ B.T (A (M, K), B (N, K)), program p taking tiles p, p + PROGRAMS, ... in
         groups of GROUP_M tile rows; with LORA each tile adds scale * V[rows, :r] @ BT[:r, cols]
         of its adapter (TILE_AD per tile row, -1: none; BT an adapter's B transposed, (r, N),
-        at BOFF in a flat buffer)."""
+        at BOFF in a flat buffer): LORA 1 loads V and BT by pointers, 2 through bulk tensor
+        copies (BT's descriptor made in the kernel, its rows past r read as zeros)."""
         pid = tl.program_id(0)
         npm, npn = (M + BM - 1) // BM, (N + BN - 1) // BN
         per_group = GROUP_M * npn
         tiles = npm * npn
-        for t in tl.range(pid, tiles, PROGRAMS, flatten=True):
+        for t in tl.range(pid, tiles, PROGRAMS, flatten=FLATTEN):
             first = (t // per_group) * GROUP_M
             size = tl.minimum(npm - first, GROUP_M)
             pm = first + (t % per_group) % size
@@ -64,7 +69,7 @@ if triton is not None:
             acc = tl.zeros((BM, BN), tl.float32)
             for k in range(0, K, BK):
                 acc = tl.dot(a_desc.load([om, k]), b_desc.load([on, k]).T, acc)
-            if LORA:
+            if LORA == 1:
                 ad = tl.load(TILE_AD + pm)
                 safe = tl.maximum(ad, 0)
                 r = tl.where(ad >= 0, tl.load(RANK + safe), 0)
@@ -76,7 +81,21 @@ if triton is not None:
                 bt = tl.load(BT + tl.load(BOFF + safe) + lanes[:, None] * N + cols[None, :],
                              mask=live[:, None] & (cols < N)[None, :], other=0.0)
                 acc += tl.load(SCALE + safe) * tl.dot(v, bt)
-            c_desc.store([om, on], acc.to(tl.float16))
+            if LORA == 2:
+                ad = tl.load(TILE_AD + pm)
+                if ad >= 0:
+                    r = tl.load(RANK + ad)
+                    if r > 0:
+                        bt_desc = tl.make_tensor_descriptor(BT + tl.load(BOFF + ad), shape=[r, N], strides=[N, 1],
+                                                            block_shape=[R, BN])
+                        acc += tl.load(SCALE + ad) * tl.dot(v_desc.load([om, 0]), bt_desc.load([0, on]))
+            if TMA_STORE:
+                c_desc.store([om, on], acc.to(tl.float16))
+            else:
+                rows = om + tl.arange(0, BM)
+                cols = on + tl.arange(0, BN)
+                tl.store(C + rows[:, None] * N + cols[None, :], acc.to(tl.float16),
+                         mask=(rows < M)[:, None] & (cols < N)[None, :])
 
 
 class Problem:
@@ -125,17 +144,19 @@ class Problem:
 
 
 def run_triton(p: Problem, tiling: tuple, lora: bool, out: torch.Tensor) -> Callable[[], Any]:
-    bm, bn, bk, stages, warps, persistent = tiling
+    bm, bn, bk, stages, warps, persistent, mode, tma_store, flatten = tiling
     a = TensorDescriptor.from_tensor(p.x, [bm, bk])
     b = TensorDescriptor.from_tensor(p.w, [bn, bk])
     c = TensorDescriptor.from_tensor(out, [bm, bn])
+    v = TensorDescriptor.from_tensor(p.v, [bm, p.R])
     tiles = triton.cdiv(p.M, bm) * triton.cdiv(p.N, bn)
     programs = min(tiles, torch.cuda.get_device_properties(0).multi_processor_count) if persistent else tiles
     ad = p.tile_adapters(bm)
 
     def call() -> None:
-        _matmul[(programs,)](a, b, c, p.v, p.bt, ad, p.boff, p.rank, p.scale, p.M, p.N, p.K, BM=bm, BN=bn, BK=bk,
-                             R=p.R, GROUP_M=8, PROGRAMS=programs, LORA=lora, num_stages=stages, num_warps=warps)
+        _matmul[(programs,)](a, b, c, v, out, p.v, p.bt, ad, p.boff, p.rank, p.scale, p.M, p.N, p.K, BM=bm, BN=bn,
+                             BK=bk, R=p.R, GROUP_M=8, PROGRAMS=programs, LORA=mode if lora else 0,
+                             TMA_STORE=tma_store, FLATTEN=flatten, num_stages=stages, num_warps=warps)
     return call
 
 
@@ -174,7 +195,7 @@ def main() -> int:
         refs = {lora: p.reference(lora) for lora in (False, True)}
         scale = {lora: float(refs[lora].abs().max()) for lora in (False, True)}
         for tiling in TILINGS:
-            for lora in (False, True):
+            for lora in (False, True) if tiling[6] else (False,):
                 try:
                     fn = run_triton(p, tiling, lora, out)
                     fn()
