@@ -38,16 +38,16 @@ except ImportError:  # measured on a GPU only
 # (K, N): the projections' inputs and stacked outputs
 SHAPES = {"qkv": (4096, 12288), "o": (4096, 4096), "gate_up": (4096, 22016), "down": (11008, 4096)}
 # (BM, BN, BK, stages, warps, persistent, LoRA mode, TMA store, flatten)
-TILINGS = [(128, 256, 64, 3, 8, True, 0, True, True), (128, 256, 64, 3, 8, True, 2, False, True),
-           (128, 256, 64, 3, 8, True, 2, False, False), (128, 256, 64, 2, 8, True, 2, True, True),
-           (128, 256, 64, 3, 8, False, 2, False, True), (128, 128, 64, 4, 8, True, 2, True, True),
-           (128, 128, 64, 4, 8, True, 2, True, False), (128, 128, 64, 4, 8, True, 1, True, True),
-           (128, 256, 64, 3, 8, True, 1, False, True)]
+TILINGS = [(128, 256, 64, 3, 8, True, 3, True, True), (128, 256, 64, 3, 8, True, 3, False, True),
+           (128, 256, 64, 3, 8, True, 3, False, False), (128, 256, 64, 3, 8, False, 3, False, True),
+           (128, 128, 64, 4, 8, True, 3, True, True), (128, 128, 64, 4, 8, True, 3, True, False),
+           (128, 128, 64, 5, 8, True, 3, False, True), (128, 256, 64, 4, 8, True, 3, False, True),
+           (128, 128, 64, 4, 8, True, 2, True, False)]
 RANKS = (8, 16, 32, 64)
 
 if triton is not None:
     @triton.jit
-    def _matmul(a_desc, b_desc, c_desc, v_desc, C, V, BT, TILE_AD, BOFF, RANK, SCALE, M, N, K,
+    def _matmul(a_desc, b_desc, c_desc, v_desc, bt_desc, C, V, BT, TILE_AD, BOFF, RANK, SCALE, M, N, K,
                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, R: tl.constexpr,
                 GROUP_M: tl.constexpr, PROGRAMS: tl.constexpr, LORA: tl.constexpr, TMA_STORE: tl.constexpr,
                 FLATTEN: tl.constexpr):
@@ -55,7 +55,10 @@ if triton is not None:
         groups of GROUP_M tile rows; with LORA each tile adds scale * V[rows, :r] @ BT[:r, cols]
         of its adapter (TILE_AD per tile row, -1: none; BT an adapter's B transposed, (r, N),
         at BOFF in a flat buffer): LORA 1 loads V and BT by pointers, 2 through bulk tensor
-        copies (BT's descriptor made in the kernel, its rows past r read as zeros)."""
+        copies (BT's descriptor made in the kernel, its rows past r read as zeros); LORA 3 adds
+        V[rows] @ BT[lane:lane + R, cols] onto the accumulator, V holding scale * x @ A.T
+        (zeros past each token's rank, and for rows on the base model), every adapter's lanes
+        rows of one matrix BT (bt_desc), TILE_AD each tile row's first lane."""
         pid = tl.program_id(0)
         npm, npn = (M + BM - 1) // BM, (N + BN - 1) // BN
         per_group = GROUP_M * npn
@@ -89,6 +92,8 @@ if triton is not None:
                         bt_desc = tl.make_tensor_descriptor(BT + tl.load(BOFF + ad), shape=[r, N], strides=[N, 1],
                                                             block_shape=[R, BN])
                         acc += tl.load(SCALE + ad) * tl.dot(v_desc.load([om, 0]), bt_desc.load([0, on]))
+            if LORA == 3:  # V pre-scaled, zero past each token's rank; BT as lanes (L, N) through bt_desc
+                acc = tl.dot(v_desc.load([om, 0]), bt_desc.load([tl.load(TILE_AD + pm), on]), acc)
             if TMA_STORE:
                 c_desc.store([om, on], acc.to(tl.float16))
             else:
@@ -123,12 +128,18 @@ class Problem:
         lane = torch.arange(self.R, device=dev)
         self.v = torch.where(lane[None, :] < self.rank.repeat_interleave(per_row)[:, None], v, 0.0).to(dtype)
         self.ranks = ranks
+        self.v_scaled = (self.v.float() * self.scale.repeat_interleave(per_row)[:, None]).to(dtype)
+        self.lanes = self.bt.view(-1, N)  # every adapter's B transposed, as rows of one matrix
 
-    def tile_adapters(self, bm: int) -> torch.Tensor:
-        """Each tile row's adapter (rows are whole tiles: per_row a multiple of bm)."""
+    def tile_adapters(self, bm: int, lanes: bool) -> torch.Tensor:
+        """Each tile row's adapter, or with `lanes` its first lane in self.lanes (rows are
+        whole tiles: per_row a multiple of bm)."""
         assert self.per_row % bm == 0
-        ids = torch.arange(self.M // self.per_row, dtype=torch.int32, device="cuda")
-        ids = torch.where(self.rank > 0, ids, -1)
+        if lanes:
+            ids = (self.boff // self.N).to(torch.int32)
+        else:
+            ids = torch.arange(self.M // self.per_row, dtype=torch.int32, device="cuda")
+            ids = torch.where(self.rank > 0, ids, -1)
         return ids.repeat_interleave(self.per_row // bm)
 
     def reference(self, lora: bool) -> torch.Tensor:
@@ -148,13 +159,14 @@ def run_triton(p: Problem, tiling: tuple, lora: bool, out: torch.Tensor) -> Call
     a = TensorDescriptor.from_tensor(p.x, [bm, bk])
     b = TensorDescriptor.from_tensor(p.w, [bn, bk])
     c = TensorDescriptor.from_tensor(out, [bm, bn])
-    v = TensorDescriptor.from_tensor(p.v, [bm, p.R])
+    v = TensorDescriptor.from_tensor(p.v_scaled if mode == 3 else p.v, [bm, p.R])
+    lanes = TensorDescriptor.from_tensor(p.lanes, [p.R, bn])
     tiles = triton.cdiv(p.M, bm) * triton.cdiv(p.N, bn)
     programs = min(tiles, torch.cuda.get_device_properties(0).multi_processor_count) if persistent else tiles
-    ad = p.tile_adapters(bm)
+    ad = p.tile_adapters(bm, mode == 3)
 
     def call() -> None:
-        _matmul[(programs,)](a, b, c, v, out, p.v, p.bt, ad, p.boff, p.rank, p.scale, p.M, p.N, p.K, BM=bm, BN=bn,
+        _matmul[(programs,)](a, b, c, v, lanes, out, p.v, p.bt, ad, p.boff, p.rank, p.scale, p.M, p.N, p.K, BM=bm, BN=bn,
                              BK=bk, R=p.R, GROUP_M=8, PROGRAMS=programs, LORA=mode if lora else 0,
                              TMA_STORE=tma_store, FLATTEN=flatten, num_stages=stages, num_warps=warps)
     return call
