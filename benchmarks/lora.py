@@ -211,12 +211,15 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
             pool, p = m.adapter_pool(), m.last_policy
             first = set(sorted(names)[:p.block_size]) if p.lora_cache_blocks > 1 else set()
             before = lambda: only_read(pool, first)  # noqa: E731
-        modes = (args.segments or L.SEGMENTS).split(",")
+        modes = args.segments.split(",") if args.segments else [L.SEGMENTS + ("+fused" if L.FUSED else "")]
+        library = (L.SEGMENTS, L.FUSED)
         threads = [int(t) for t in args.read_threads.split(",")] if args.read_threads else [A.READ_THREADS]
         runs, reads = [], {}
         for mode in modes:  # each way of the prefill's segments in turn, in this one engine
             for n in threads:  # and each number of threads reading adapter files
-                L.SEGMENTS, A.READ_THREADS = mode, n
+                # "fused": the library's segments with the fused prefill matmul in front; any other, without it
+                L.SEGMENTS, L.FUSED = (library[0], True) if mode == "fused" else (mode.split("+")[0], "+fused" in mode)
+                A.READ_THREADS = n
                 label = "warm" + (f"-segments-{mode}" if len(modes) > 1 else "") + \
                     (f"-read-threads-{n}" if len(threads) > 1 else "")
                 m.adapter_pool().reads = A.Reads()
@@ -434,8 +437,9 @@ def main(argv: list[str] | None = None) -> int:
                          "engine")
     ap.add_argument("--segments", default=None,
                     help="population: prefill deltas by segments of rows of one adapter through cuBLAS "
-                         "(kernels.lora.SEGMENTS, its default if not given: expand, both or off); a comma list times "
-                         "each in one engine")
+                         "(kernels.lora.SEGMENTS: expand, both or off; the fused matmul, kernels.lora.FUSED, off), "
+                         "or 'fused' (the fused matmul where it fits, else the default segments); a comma list times "
+                         "each in one engine (default: the library's defaults)")
     ap.add_argument("--stacked-prefill", choices=("on", "off"), default="on",
                     help="population: the same for prefill tiles (the shrink reads x once for all)")
     ap.add_argument("--decode-configs", default=None,

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from flexoff.models.base import stacked
+from flexoff.kernels.lora_matmul import first_lanes, fits, fused_matmul
 
 try:
     import triton
@@ -143,6 +144,9 @@ TILES_STACKED = True  # the same for tiles (prefill), whose shrink then reads ea
 # cuBLAS's expands), "both" (cuBLAS's shrinks too) or "off" (the Triton passes)
 SEGMENTS = "both"
 SEGMENT_TOKENS = 2048
+# lora_linears, tiles (prefill): where kernels.lora_matmul `fits` (a resident pool on a Hopper GPU, rows of
+# whole tiles, no bias), the base matmul with the deltas added in its epilogue, before segments or passes
+FUSED = True
 
 
 if HAVE_TRITON:
@@ -234,29 +238,33 @@ if HAVE_TRITON:
         return r, sc, off, row * per_row + ms, ms < per_row, ks, ks < r
 
     @triton.jit
-    def _tile_shrink(X, IDS, W, AOFF, RANK, SCALE, V, per_row, K, sx, NT, TILES, NP, SA1, SA2, SR1, SR2,
-                     R: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    def _tile_shrink(X, IDS, W, AOFF, RANK, SCALE, V, per_row, K, sx, NT, TILES, NP, SA1, SA2, SR1, SR2, SS1, SS2,
+                     R: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr, SCALED: tl.constexpr):
         """Prefill pass one: program (projection pj of NP, tile of tokens, row) writes x @ A.T
         for the tile to V[pj] (in the compute dtype, as a matmul's output; R lanes per token,
-        those past the rank never written), reading each input once. Projections vary fastest,
-        then tiles: stacked projections' programs for one tile run side by side and read its x
-        once from memory, a row's tiles read its adapter's A once (the others find them in L2;
-        tiles ordered by row before, the shrink ran at 0.57 of the H100's copy bandwidth, 0.82
-        so ordered)."""
+        those past the rank never written; SCALED: times the adapter's scale, and every lane
+        written, zeros past the rank and on rows of the base model), reading each input once.
+        Projections vary fastest, then tiles: stacked projections' programs for one tile run
+        side by side and read its x once from memory, a row's tiles read its adapter's A once
+        (the others find them in L2; tiles ordered by row before, the shrink ran at 0.57 of
+        the H100's copy bandwidth, 0.82 so ordered)."""
         pid = tl.program_id(0).to(tl.int64)
         pj, t = pid % NP, pid // NP
-        r, _, ao, toks, mm, ks, live = _tile(IDS, RANK + _shift(pj, SR1, SR2), SCALE, AOFF + _shift(pj, SA1, SA2),
-                                             t // TILES, t % TILES, per_row, R, BM)
+        r, sc, ao, toks, mm, ks, live = _tile(IDS, RANK + _shift(pj, SR1, SR2), SCALE + _shift(pj, SS1, SS2),
+                                              AOFF + _shift(pj, SA1, SA2), t // TILES, t % TILES, per_row, R, BM)
+        acc = tl.zeros((BM, R), tl.float32)
         if r > 0:
-            acc = tl.zeros((BM, R), tl.float32)
             for k0 in range(0, K, BK):
                 c = k0 + tl.arange(0, BK)
                 cm = c < K
                 x = tl.load(X + toks[:, None] * sx + c[None, :], mask=mm[:, None] & cm[None, :], other=0.0)
                 at = tl.load(W + ao + ks[None, :] * K + c[:, None], mask=live[None, :] & cm[:, None], other=0.0)
                 acc += tl.dot(x, at)
-            tl.store(V + (pj * NT + toks[:, None]) * R + ks[None, :], acc.to(V.dtype.element_ty),
-                     mask=mm[:, None] & live[None, :])
+        out = V + (pj * NT + toks[:, None]) * R + ks[None, :]
+        if SCALED:
+            tl.store(out, tl.where(live[None, :], acc * sc, 0.0).to(V.dtype.element_ty), mask=mm[:, None])
+        elif r > 0:
+            tl.store(out, acc.to(V.dtype.element_ty), mask=mm[:, None] & live[None, :])
 
     @triton.jit
     def _tile_expand(Y, B, IDS, W, BOFF, RANK, SCALE, V, per_row, N, sy, NT, NB, TILES, CH, NP, SB1, SB2, SR1, SR2,
@@ -342,10 +350,11 @@ def _stack(packs: Sequence[LoraPack], outs: Sequence[int], tiles: bool) -> _Stac
 
 
 def lora_shrink(xf: torch.Tensor, ids: torch.Tensor, p: LoraPack, per_row: int, tiles: bool,
-                stack: _Stack = NO_STACK) -> torch.Tensor:
+                stack: _Stack = NO_STACK, scaled: bool = False) -> torch.Tensor:
     """Pass one over x (tokens, in), rows of per_row tokens: each token's x @ A.T, as float32
     partial sums (tokens, splits, lanes) for token-by-token rows ((projections, tokens, splits,
-    lanes) for a stack led by p), (tokens, lanes) in the compute dtype for tiles."""
+    lanes) for a stack led by p), (tokens, lanes) in the compute dtype for tiles; `scaled`
+    (tiles): times the scale, with zeros past each rank and on the base model's rows."""
     tokens, K = xf.shape
     n = stack.count
     if tiles:
@@ -355,7 +364,7 @@ def lora_shrink(xf: torch.Tensor, ids: torch.Tensor, p: LoraPack, per_row: int, 
         tiles_per_row = triton.cdiv(per_row, bm)
         _tile_shrink[(n * tiles_per_row * (tokens // per_row),)](
             xf, ids, p.buf, p.a_off, p.rank, p.scale, v, per_row, K, xf.stride(0), tokens, tiles_per_row, n,
-            *stack.a, *stack.rank, R=R, BM=bm, BK=bk, num_warps=PREFILL["warps"])
+            *stack.a, *stack.rank, *stack.scale, R=R, BM=bm, BK=bk, SCALED=scaled, num_warps=PREFILL["warps"])
         return v
     t = _decode_tiling(tokens, K, p.max_rank)
     v = torch.empty(*((n,) if n > 1 else ()), tokens, t.splits, t.rp, dtype=torch.float32, device=xf.device)
@@ -505,6 +514,9 @@ def lora_linears(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, outs:
         y = F.linear(xf, w, b)
         main.wait_stream(side)
         y += d
+    elif tiles and FUSED and fits(xf, w, b, outs, packs, per_row, host_ids):
+        assert host_ids is not None
+        y = _fused_linears(xf, w, outs, ids32, packs, per_row, host_ids, stack)
     elif WRITE_FIRST:
         y = torch.empty(xf.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
         runs = _segments(host_ids, per_row, xf.shape[0]) if tiles and b is None else None
@@ -517,6 +529,25 @@ def lora_linears(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, outs:
         y = F.linear(xf, w, b)
         deltas(y, True, None)
     return list(y.view(*x.shape[:-1], w.shape[0]).split(list(outs), -1))
+
+
+def _fused_linears(xf: torch.Tensor, w: torch.Tensor, outs: Sequence[int], ids32: torch.Tensor,
+                   packs: Sequence[LoraPack], per_row: int, host_ids: tuple[int, ...], stack: _Stack | None
+                   ) -> torch.Tensor:
+    """Prefill rows through kernels.lora_matmul: the shrink times each adapter's scale (one
+    launch for a stack), then each projection's base matmul with its deltas in the epilogue,
+    onto its columns of y."""
+    if stack is not None:
+        vs = list(lora_shrink(xf, ids32, packs[0], per_row, True, stack, scaled=True))
+    else:
+        vs = [lora_shrink(xf, ids32, p, per_row, True, scaled=True) for p in packs]
+    y = torch.empty(xf.shape[0], w.shape[0], dtype=xf.dtype, device=xf.device)
+    c0 = 0
+    for n, p, v in zip(outs, packs, vs):
+        assert p.dense is not None
+        fused_matmul(xf, w[c0:c0 + n], v, p.dense.B, first_lanes(p, host_ids, per_row, xf.device), y[:, c0:c0 + n])
+        c0 += n
+    return y
 
 
 class _Segment(NamedTuple):

@@ -759,6 +759,77 @@ def test_resident_pool_computes_deltas_as_each_adapter_would(batched, segments, 
     assert calls["grouped"] > 0
 
 
+@pytest.mark.skipif(not __import__("flexoff.kernels.lora_matmul", fromlist=["HAVE_TMA"]).HAVE_TMA,
+                    reason="triton with tensor descriptors is not installed")
+@pytest.mark.parametrize("dtype", [torch.float16] + [torch.bfloat16] * torch.cuda.is_available())
+def test_resident_prefill_through_the_fused_matmul_equals_each_adapters_delta(dtype, monkeypatch):
+    """Prefill rows of a resident pool in 16-bit, rows of whole tiles, no bias: the base matmul
+    with the deltas in its epilogue (kernels.lora_matmul, with small tiles; on the CPU under
+    Triton's interpreter, whose descriptors misread bfloat16, so that runs on a GPU only)
+    equals x @ w.T plus each row's own adapter's delta, in float64 from the same 16-bit values,
+    for adapters of mixed ranks (one leaving v alone, q's rank past the tile's outputs), a row
+    on the base model, stacked q/k/v of unequal widths, and outputs that end inside a tile;
+    rows that are not whole tiles, or a bias, take the other ways."""
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    from types import SimpleNamespace
+
+    from flexoff.adapters.peft import Adapter, LoraModule
+    from flexoff.checkpoint import load_model
+    from flexoff.kernels import lora as L
+    from flexoff.kernels import lora_matmul as M
+    from flexoff.offload.adapters import AdapterPool
+
+    monkeypatch.setattr(M, "TILE", {"bm": 16, "bn": 64, "bk": 32, "stages": 1, "warps": 4})
+    calls = []
+    real = L.fused_matmul
+    monkeypatch.setattr(L, "fused_matmul", lambda *a: calls.append(a[0].shape) or real(*a))
+    spec = load_model("dummy:llama-tiny").spec
+    g = torch.Generator().manual_seed(3)
+    mats = [(j, t.name, t.shape) for j, lay in enumerate(spec.layers) if lay.kind in ("attn", "mlp")
+            for t in lay.tensors if t.matmul]
+
+    def adapter(name, rank_of):
+        mods = {(j, n): LoraModule(torch.randn(rank_of(n), fin, generator=g).to(dtype).double(),
+                                   (torch.randn(fout, rank_of(n), generator=g) / 4).to(dtype).double(), 0.5 + j / 8)
+                for j, n, (fout, fin) in mats if rank_of(n)}
+        return Adapter(name, "", mods)
+
+    adapters = {"a": adapter("a", lambda n: 3), "b": adapter("b", lambda n: 0 if n == "v_proj.weight" else 8),
+                "c": adapter("c", lambda n: 64 if n[0] == "q" else 1 + len(n) % 5)}
+    pool = AdapterPool(list(adapters.values()), dev, dtype, spec)
+    blk = ["b", "c", None, "a", "c"]
+    pool.begin(blk, pool.need([blk]), SimpleNamespace(splits=[SimpleNamespace(resident=True)], slots=[]))
+    ids, host = pool.ids(blk)
+    groups = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+    for per_row, bias in ((32, False), (16, False), (24, False), (32, True)):
+        fused = per_row % 16 == 0 and not bias
+        for j in (1, 2):
+            for group in groups:
+                keys = [(j, f"{p}.weight") for p in group]
+                if keys[0] not in pool.packs:
+                    continue
+                packs = [pool.packs[k] for k in keys]
+                outs = [p.fan_out for p in packs]
+                x = torch.randn(len(blk), per_row, packs[0].fan_in, generator=g).to(dtype)
+                w = (torch.randn(sum(outs), packs[0].fan_in, generator=g) / 8).to(dtype)
+                b = torch.randn(sum(outs), generator=g).to(dtype) if bias else None
+                before = len(calls)
+                got = torch.cat(L.lora_linears(x.to(dev), w.to(dev), None if b is None else b.to(dev), outs, ids,
+                                               packs, host, kernels=True), -1).double().cpu()
+                assert len(calls) - before == (len(group) if fused else 0), (per_row, bias, group)
+                want = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+                for r, name in enumerate(blk):
+                    c0 = 0
+                    for key, n in zip(keys, outs):
+                        m = adapters[name].modules.get(key) if name else None
+                        if m is not None:
+                            want[r, :, c0:c0 + n] += m.scaling * (x[r].double() @ m.A.t()) @ m.B.t()
+                        c0 += n
+                tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
+                assert (got - want).abs().max() <= tol * want.abs().max(), (per_row, bias, keys)
+    assert calls
+
+
 @pytest.mark.skipif(not __import__("flexoff.kernels.lora", fromlist=["HAVE_TRITON"]).HAVE_TRITON,
                     reason="triton is not installed")
 @pytest.mark.parametrize("name", ["llama", "qwen2"])

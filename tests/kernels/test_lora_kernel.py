@@ -256,6 +256,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 import flexoff.kernels.lora as L
 import flexoff.kernels.copies as C
+import flexoff.kernels.lora_matmul as M
 p16, i32, i64 = "*fp16", "i32", "i64"
 common = dict(IDS="*i32", W=p16, RANK="*i32", SCALE="*fp32", V="*fp32", per_row=i32)
 kernels = [
@@ -265,7 +266,12 @@ kernels = [
                          SB1=i64, SB2=i64, SR1=i64, SR2=i64, SS1=i64, SS2=i64),
      dict(SP=1, BN=256, RC=8, ADD=False, HAS_B=True)),
     (L._tile_shrink, dict(X=p16, **{**common, "V": p16}, AOFF="*i64", K=i32, sx=i32, NT=i32, TILES=i32, NP=i32,
-                          SA1=i64, SA2=i64, SR1=i64, SR2=i64), dict(R=64, BM=128, BK=64)),
+                          SA1=i64, SA2=i64, SR1=i64, SR2=i64, SS1=i64, SS2=i64), dict(R=64, BM=128, BK=64, SCALED=False)),
+    (L._tile_shrink, dict(X=p16, **{**common, "V": p16}, AOFF="*i64", K=i32, sx=i32, NT=i32, TILES=i32, NP=i32,
+                          SA1=i64, SA2=i64, SR1=i64, SR2=i64, SS1=i64, SS2=i64), dict(R=64, BM=128, BK=64, SCALED=True)),
+    (M._fused, dict(x_desc="tensordesc<fp16[128,64]>", w_desc="tensordesc<fp16[256,64]>",
+                    v_desc="tensordesc<fp16[128,64]>", l_desc="tensordesc<fp16[64,256]>", Y=p16, FIRST="*i32", M=i32,
+                    N=i32, sy=i32), dict(PROGRAMS=132, K=4096, BM=128, BN=256, BK=64, R=64, GROUP_M=8)),
     (L._tile_expand, dict(Y=p16, B=p16, **{**common, "V": p16}, BOFF="*i64", N=i32, sy=i32, NT=i32, NB=i32,
                           TILES=i32, CH=i32, NP=i32, SB1=i64, SB2=i64, SR1=i64, SR2=i64, SS1=i64, SS2=i64),
      dict(R=64, BM=128, BN=128, EB=8, ADD=True, HAS_B=False)),
@@ -282,7 +288,7 @@ for fn, sig, ce in kernels:
 
 def test_kernels_compile_for_the_gpu():
     """The decode and prefill passes, stacked projections' shifts included, the dense decode's
-    mask and the pool's copies (kernels.copies) compile for sm_90 (no GPU needed): the interpreter accepts code the GPU compiler may refuse."""
+    mask, the fused prefill matmul (kernels.lora_matmul) and the pool's copies (kernels.copies) compile for sm_90 (no GPU needed): the interpreter accepts code the GPU compiler may refuse."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     res = subprocess.run([sys.executable, "-c", SM90_COMPILE], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
