@@ -761,11 +761,13 @@ def test_resident_pool_computes_deltas_as_each_adapter_would(batched, segments, 
 
 @pytest.mark.skipif(not __import__("flexoff.kernels.lora_matmul", fromlist=["HAVE_TMA"]).HAVE_TMA,
                     reason="triton with tensor descriptors is not installed")
+@pytest.mark.parametrize("tile", [{"bm": 16, "bn": 64, "bk": 32, "stages": 1, "warps": 4}, None],
+                         ids=["small", "default"])
 @pytest.mark.parametrize("dtype", [torch.float16] + [torch.bfloat16] * torch.cuda.is_available())
-def test_resident_prefill_through_the_fused_matmul_equals_each_adapters_delta(dtype, monkeypatch):
+def test_resident_prefill_through_the_fused_matmul_equals_each_adapters_delta(dtype, tile, monkeypatch):
     """Prefill rows of a resident pool in 16-bit, rows of whole tiles, no bias: the base matmul
-    with the deltas in its epilogue (kernels.lora_matmul, with small tiles; on the CPU under
-    Triton's interpreter, whose descriptors misread bfloat16, so that runs on a GPU only)
+    with the deltas in its epilogue (kernels.lora_matmul, with small tiles and the default's; on
+    the CPU under Triton's interpreter, whose descriptors misread bfloat16, so that runs on a GPU only)
     equals x @ w.T plus each row's own adapter's delta, in float64 from the same 16-bit values,
     for adapters of mixed ranks (one leaving v alone, q's rank past the tile's outputs), a row
     on the base model, stacked q/k/v of unequal widths, and outputs that end inside a tile;
@@ -779,7 +781,9 @@ def test_resident_prefill_through_the_fused_matmul_equals_each_adapters_delta(dt
     from flexoff.kernels import lora_matmul as M
     from flexoff.offload.adapters import AdapterPool
 
-    monkeypatch.setattr(M, "TILE", {"bm": 16, "bn": 64, "bk": 32, "stages": 1, "warps": 4})
+    if tile is not None:
+        monkeypatch.setattr(M, "TILE", tile)
+    bm = M.TILE["bm"]
     calls = []
     real = L.fused_matmul
     monkeypatch.setattr(L, "fused_matmul", lambda *a: calls.append(a[0].shape) or real(*a))
@@ -801,8 +805,8 @@ def test_resident_prefill_through_the_fused_matmul_equals_each_adapters_delta(dt
     pool.begin(blk, pool.need([blk]), SimpleNamespace(splits=[SimpleNamespace(resident=True)], slots=[]))
     ids, host = pool.ids(blk)
     groups = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
-    for per_row, bias in ((32, False), (16, False), (24, False), (32, True)):
-        fused = per_row % 16 == 0 and not bias
+    for per_row, bias in ((2 * bm, False), (bm, False), (bm + bm // 2, False), (2 * bm, True)):
+        fused = per_row % bm == 0 and not bias
         for j in (1, 2):
             for group in groups:
                 keys = [(j, f"{p}.weight") for p in group]
