@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

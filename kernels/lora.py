@@ -26,7 +26,9 @@ a few launches replace the per-token passes, whose cost was their latency
 (benchmarks/lora_step.py). Prefill rows in long runs of one adapter (a job's blocks group rows
 by adapter), each row's adapter known on the host, go one run at a time through cuBLAS
 (`_segment_deltas`), whose expand writes the outputs faster than the Triton expand over mixed
-adapters does.
+adapters does. Before either, prefill rows of a resident pool on a Hopper GPU (rows of whole
+tiles, no bias) go through kernels.lora_matmul: the shrink times the scale, then the base
+matmul with each tile's expand in its epilogue, so the deltas never go through memory.
 Does not know: where adapters come from, which rows have which adapter.
 """
 
@@ -478,7 +480,8 @@ def lora_linears(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, outs:
     lanes (a resident pool's) go densely with DENSE (`_dense_linears`); other decode rows on a
     CUDA device with SIDE_STREAM compute the deltas on a stream of their own while the base
     matmul runs (neither fills the GPU's memory bandwidth alone at decode sizes) and add them
-    after; other rows with WRITE_FIRST (the default) have the expands write scale * v @ B.T + b into each
+    after; prefill rows with FUSED, where kernels.lora_matmul `fits`, go through the base matmul
+    with the deltas in its epilogue; other rows with WRITE_FIRST (the default) have the expands write scale * v @ B.T + b into each
     projection's columns and the base matmul add itself onto them (cuBLAS reads them in its
     epilogue, so y is read and written once less), else have the deltas added after the
     matmul; written first, rows in long runs of one adapter go by segments (`_segments`).
