@@ -6,11 +6,11 @@ cuBLAS's time on an H200 at LLaMA-7B's prefill shapes, and 0.98-1.11 with the de
 Knows: y = x @ W.T + v @ lanes[first:first + R] for one projection, where v (tokens, R) is
 the shrink's output already times each token's adapter's scale, zeros past its rank and on rows
 of the base model (`lora_shrink(..., scaled=True)`), and `lanes` (lanes, fan_out) every
-adapter's B transposed as rows of one matrix (a resident pool's `Dense.B`); rows of at least BM
-tokens, so a tile of BM tokens meets at most two rows and adds two adapters' lanes, each onto
-its own tokens. When the fused way applies (`fits`): CUDA with TMA (compute capability 9 or
-more) or Triton's interpreter, 16-bit weights, no bias, resident lanes, rows of BM tokens or
-more, ranks up to 64, widths and addresses the copy engine takes.
+adapter's B transposed as rows of one matrix (a resident pool's `Dense.B`); each tile of BM
+tokens lies in one row (rows of a multiple of BM tokens), so it adds one adapter's lanes. When
+the fused way applies (`fits`): CUDA with TMA (compute capability 9 or more) or Triton's
+interpreter, 16-bit weights, no bias, resident lanes, rows of whole tiles, ranks up to 64,
+widths and addresses the copy engine takes.
 Does not know: which rows have which adapter beyond the per-row ids it is handed.
 """
 
@@ -40,10 +40,8 @@ if HAVE_TMA:
     def _fused(x_desc, w_desc, v_desc, l_desc, Y, FIRST, M, N, sy, PROGRAMS: tl.constexpr, K: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, R: tl.constexpr, GROUP_M: tl.constexpr):
         """Program p takes output tiles p, p + PROGRAMS, ... (GROUP_M tile rows at a time, so
-        neighbours share W's tiles in L2): x @ W.T over K, then onto the same accumulator the
-        tile's tokens before its split (FIRST[3 * tile row + 2]) times lanes[FIRST[3 * tile row]:+R]
-        and those after it times lanes[FIRST[3 * tile row + 1]:+R] (a tile meets at most two
-        rows), written to Y (row stride sy)."""
+        neighbours share W's tiles in L2): x @ W.T over K, then v @ lanes[FIRST[tile row]:+R]
+        onto the same accumulator, written to Y (row stride sy)."""
         pid = tl.program_id(0)
         npm, npn = (M + BM - 1) // BM, (N + BN - 1) // BN
         per_group = GROUP_M * npn
@@ -56,10 +54,7 @@ if HAVE_TMA:
             acc = tl.zeros((BM, BN), tl.float32)
             for k in range(0, K, BK):
                 acc = tl.dot(x_desc.load([om, k]), w_desc.load([on, k]).T, acc)
-            v = v_desc.load([om, 0])
-            before = (tl.arange(0, BM) < tl.load(FIRST + 3 * pm + 2))[:, None]
-            acc = tl.dot(tl.where(before, v, 0.0), l_desc.load([tl.load(FIRST + 3 * pm), on]), acc)
-            acc = tl.dot(tl.where(before, 0.0, v), l_desc.load([tl.load(FIRST + 3 * pm + 1), on]), acc)
+            acc = tl.dot(v_desc.load([om, 0]), l_desc.load([tl.load(FIRST + pm), on]), acc)
             rows = (om + tl.arange(0, BM)).to(tl.int64)
             cols = on + tl.arange(0, BN)
             tl.store(Y + rows[:, None] * sy + cols[None, :], acc.to(Y.dtype.element_ty),
@@ -83,7 +78,7 @@ def fits(xf: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, outs: Seq
     """Whether these projections' prefill can take the fused matmul."""
     if not (HAVE_TMA and _tma_device(xf)) or bias is not None or host_ids is None:
         return False
-    if xf.dtype not in (torch.float16, torch.bfloat16) or w.dtype != xf.dtype or per_row < TILE["bm"]:
+    if xf.dtype not in (torch.float16, torch.bfloat16) or w.dtype != xf.dtype or per_row % TILE["bm"]:
         return False
     if any(p.dense is None or p.dense.B.dtype != xf.dtype or p.max_rank > MAX_RANK for p in packs):
         return False
@@ -93,24 +88,17 @@ def fits(xf: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, outs: Seq
 
 
 def first_lanes(p, host_ids: tuple[int, ...], per_row: int, device: torch.device) -> torch.Tensor:
-    """Per tile of tokens: the first lane in p's lanes of the adapter of the row it begins in,
-    of the row after (where the tile reaches into it; else the same), and the tile's token
-    where that next row begins (its size where none does); 0 for rows on the base model or
-    adapters that leave p alone, whose v is zeros."""
-    b0, n, bm = p.dense.B.storage_offset(), p.fan_out, TILE["bm"]
+    """Each tile row's first lane in p's lanes: its row's adapter's (0 for rows on the base
+    model or adapters that leave p alone: their v is zeros)."""
+    b0, n = p.dense.B.storage_offset(), p.fan_out
     lanes = [(p.b_offs[a] - b0) // n if a >= 0 and p.ranks[a] else 0 for a in host_ids]
-    out = []
-    for om in range(0, len(host_ids) * per_row, bm):
-        r = om // per_row
-        split = min((r + 1) * per_row - om, bm)
-        out += [lanes[r], lanes[min(r + 1, len(lanes) - 1)] if split < bm else lanes[r], split]
-    return torch.tensor(out, dtype=torch.int32).to(device, non_blocking=True)
+    per = per_row // TILE["bm"]
+    return torch.tensor([f for f in lanes for _ in range(per)], dtype=torch.int32).to(device, non_blocking=True)
 
 
 def fused_matmul(xf: torch.Tensor, w: torch.Tensor, v: torch.Tensor, lanes: torch.Tensor, first: torch.Tensor,
                  y: torch.Tensor) -> torch.Tensor:
-    """y (tokens, N; any row stride) = xf @ w.T + each token's v @ lanes[its row's first lane : + R]
-    (`first`: `first_lanes`'s table)."""
+    """y (tokens, N; any row stride) = xf @ w.T + v @ lanes[first[tile] : + R] per tile of tokens."""
     c = TILE
     bm, bn, bk = c["bm"], c["bn"], c["bk"]
     M, K = xf.shape

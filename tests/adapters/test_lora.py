@@ -765,14 +765,13 @@ def test_resident_pool_computes_deltas_as_each_adapter_would(batched, segments, 
                          ids=["small", "default"])
 @pytest.mark.parametrize("dtype", [torch.float16] + [torch.bfloat16] * torch.cuda.is_available())
 def test_resident_prefill_through_the_fused_matmul_equals_each_adapters_delta(dtype, tile, monkeypatch):
-    """Prefill rows of a resident pool in 16-bit, rows of a tile or more, no bias: the base matmul
+    """Prefill rows of a resident pool in 16-bit, rows of whole tiles, no bias: the base matmul
     with the deltas in its epilogue (kernels.lora_matmul, with small tiles and the default's; on
     the CPU under Triton's interpreter, whose descriptors misread bfloat16, so that runs on a GPU only)
     equals x @ w.T plus each row's own adapter's delta, in float64 from the same 16-bit values,
     for adapters of mixed ranks (one leaving v alone, q's rank past the tile's outputs), a row
-    on the base model, stacked q/k/v of unequal widths, outputs that end inside a tile, rows of
-    whole tiles and rows that end inside a tile (each tile adding two rows' adapters, and the
-    last tile partial); rows shorter than a tile, or a bias, take the other ways."""
+    on the base model, stacked q/k/v of unequal widths, and outputs that end inside a tile;
+    rows that are not whole tiles, or a bias, take the other ways."""
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     from types import SimpleNamespace
 
@@ -806,8 +805,8 @@ def test_resident_prefill_through_the_fused_matmul_equals_each_adapters_delta(dt
     pool.begin(blk, pool.need([blk]), SimpleNamespace(splits=[SimpleNamespace(resident=True)], slots=[]))
     ids, host = pool.ids(blk)
     groups = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
-    for per_row, bias in ((2 * bm, False), (bm, False), (bm + bm // 2 + 1, False), (bm - 2, False), (2 * bm, True)):
-        fused = per_row >= bm and not bias
+    for per_row, bias in ((2 * bm, False), (bm, False), (bm + bm // 2, False), (2 * bm, True)):
+        fused = per_row % bm == 0 and not bias
         for j in (1, 2):
             for group in groups:
                 keys = [(j, f"{p}.weight") for p in group]
