@@ -481,8 +481,9 @@ def lora_linears(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, outs:
     CUDA device with SIDE_STREAM compute the deltas on a stream of their own while the base
     matmul runs (neither fills the GPU's memory bandwidth alone at decode sizes) and add them
     after; prefill rows with FUSED, where kernels.lora_matmul `fits`, go through the base matmul
-    with the deltas in its epilogue; other rows with WRITE_FIRST (the default) have the expands write scale * v @ B.T + b into each
-    projection's columns and the base matmul add itself onto them (cuBLAS reads them in its
+    with the deltas in its epilogue; other rows with WRITE_FIRST (the default) have the expands
+    write scale * v @ B.T + b into each projection's columns and the base matmul add itself
+    onto them (cuBLAS reads them in its
     epilogue, so y is read and written once less), else have the deltas added after the
     matmul; written first, rows in long runs of one adapter go by segments (`_segments`).
     Which way is faster at a shape changed from one H100 run to the next
@@ -507,7 +508,11 @@ def lora_linears(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, outs:
                         bias[c0:c0 + n] if bias is not None else None)
             c0 += n
 
-    if SIDE_STREAM and not tiles and xf.is_cuda:
+    fused = _fused_linears(xf, w, outs, ids32, packs, per_row, host_ids, stack) \
+        if tiles and FUSED and fits(xf, w, b, outs, packs, per_row, host_ids) else None
+    if fused is not None:
+        y = fused
+    elif SIDE_STREAM and not tiles and xf.is_cuda:
         main = torch.cuda.current_stream(xf.device)
         side = _side_stream(main)
         d = torch.empty(xf.shape[0], w.shape[0], dtype=x.dtype, device=x.device)  # on main: freed after the join
@@ -517,9 +522,6 @@ def lora_linears(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, outs:
         y = F.linear(xf, w, b)
         main.wait_stream(side)
         y += d
-    elif tiles and FUSED and fits(xf, w, b, outs, packs, per_row, host_ids):
-        assert host_ids is not None
-        y = _fused_linears(xf, w, outs, ids32, packs, per_row, host_ids, stack)
     elif WRITE_FIRST:
         y = torch.empty(xf.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
         runs = _segments(host_ids, per_row, xf.shape[0]) if tiles and b is None else None
@@ -535,11 +537,12 @@ def lora_linears(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, outs:
 
 
 def _fused_linears(xf: torch.Tensor, w: torch.Tensor, outs: Sequence[int], ids32: torch.Tensor,
-                   packs: Sequence[LoraPack], per_row: int, host_ids: tuple[int, ...], stack: _Stack | None
-                   ) -> torch.Tensor:
+                   packs: Sequence[LoraPack], per_row: int, host_ids: tuple[int, ...] | None, stack: _Stack | None
+                   ) -> torch.Tensor | None:
     """Prefill rows through kernels.lora_matmul: the shrink times each adapter's scale (one
     launch for a stack), then each projection's base matmul with its deltas in the epilogue,
-    onto its columns of y."""
+    onto its columns of y; None where the compiler refused the kernel (the other ways then)."""
+    assert host_ids is not None
     if stack is not None:
         vs = list(lora_shrink(xf, ids32, packs[0], per_row, True, stack, scaled=True))
     else:
@@ -548,7 +551,9 @@ def _fused_linears(xf: torch.Tensor, w: torch.Tensor, outs: Sequence[int], ids32
     c0 = 0
     for n, p, v in zip(outs, packs, vs):
         assert p.dense is not None
-        fused_matmul(xf, w[c0:c0 + n], v, p.dense.B, first_lanes(p, host_ids, per_row, xf.device), y[:, c0:c0 + n])
+        if not fused_matmul(xf, w[c0:c0 + n], v, p.dense.B, first_lanes(p, host_ids, per_row, xf.device),
+                            y[:, c0:c0 + n]):
+            return None
         c0 += n
     return y
 

@@ -33,6 +33,8 @@ except ImportError:  # CPU-only installs, or a Triton without host descriptors
 # (tokens, outputs, inputs) a tile, pipeline stages, warps; the largest rank the epilogue takes
 TILE = {"bm": 128, "bn": 256, "bk": 64, "stages": 3, "warps": 8}
 MAX_RANK = 64
+# (dtype, inputs, lanes, tile) whose kernel the GPU compiler refused (shared memory): not tried again
+REFUSED: set[tuple] = set()
 
 
 if HAVE_TMA:
@@ -97,12 +99,16 @@ def first_lanes(p, host_ids: tuple[int, ...], per_row: int, device: torch.device
 
 
 def fused_matmul(xf: torch.Tensor, w: torch.Tensor, v: torch.Tensor, lanes: torch.Tensor, first: torch.Tensor,
-                 y: torch.Tensor) -> torch.Tensor:
-    """y (tokens, N; any row stride) = xf @ w.T + v @ lanes[first[tile] : + R] per tile of tokens."""
+                 y: torch.Tensor) -> bool:
+    """y (tokens, N; any row stride) = xf @ w.T + v @ lanes[first[tile] : + R] per tile of tokens;
+    False, with y unwritten, where the compiler refuses this kernel (its shared memory)."""
     c = TILE
     bm, bn, bk = c["bm"], c["bn"], c["bk"]
     M, K = xf.shape
     N, R = w.shape[0], v.shape[1]
+    key = (xf.dtype, K, R, tuple(c.values()))
+    if key in REFUSED:
+        return False
     x_d = TensorDescriptor.from_tensor(xf, [bm, bk])
     w_d = TensorDescriptor.from_tensor(w, [bn, bk])
     v_d = TensorDescriptor.from_tensor(v, [bm, R])
@@ -110,6 +116,10 @@ def fused_matmul(xf: torch.Tensor, w: torch.Tensor, v: torch.Tensor, lanes: torc
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
     sms = torch.cuda.get_device_properties(xf.device).multi_processor_count if xf.is_cuda else 4
     programs = min(tiles, sms)
-    _fused[(programs,)](x_d, w_d, v_d, l_d, y, first, M, N, y.stride(0), programs, K=K, BM=bm, BN=bn, BK=bk, R=R,
-                        GROUP_M=8, num_stages=c["stages"], num_warps=c["warps"])
-    return y
+    try:
+        _fused[(programs,)](x_d, w_d, v_d, l_d, y, first, M, N, y.stride(0), programs, K=K, BM=bm, BN=bn, BK=bk,
+                            R=R, GROUP_M=8, num_stages=c["stages"], num_warps=c["warps"])
+    except triton.runtime.errors.OutOfResources:
+        REFUSED.add(key)
+        return False
+    return True
