@@ -850,7 +850,7 @@ def test_resident_prefill_through_the_fused_matmul_equals_each_adapters_delta(dt
     want = L.lora_linears(x, w, None, [64], ids, packs, host, kernels=False)[0].double()
     for _ in range(2):
         got = L.lora_linears(x, w, None, [64], ids, packs, host, kernels=True)[0].double()
-        assert (got - want).abs().max() <= 4e-3 * want.abs().max()
+        assert (got - want).abs().max() <= tol * want.abs().max()  # two orders of adding, one unit apart
         assert calls.count("refused") == 1
 
 
