@@ -31,6 +31,8 @@ try:
     import triton
     import triton.language as tl
     from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from flexoff.kernels.lora_matmul import base_tile, tile_at
 except ImportError:  # measured on a GPU only
     triton = None
 
@@ -58,19 +60,11 @@ if triton is not None:
         V[rows] @ BT[lane:lane + R, cols] onto the accumulator, V holding scale * x @ A.T
         (zeros past each token's rank, and for rows on the base model), every adapter's lanes
         rows of one matrix BT (bt_desc), TILE_AD each tile row's first lane."""
-        pid = tl.program_id(0)
         npm, npn = (M + BM - 1) // BM, (N + BN - 1) // BN
-        per_group = GROUP_M * npn
-        tiles = npm * npn
-        for t in tl.range(pid, tiles, PROGRAMS, flatten=FLATTEN):
-            first = (t // per_group) * GROUP_M
-            size = tl.minimum(npm - first, GROUP_M)
-            pm = first + (t % per_group) % size
-            pn = (t % per_group) // size
+        for t in tl.range(tl.program_id(0), npm * npn, PROGRAMS, flatten=FLATTEN):
+            pm, pn = tile_at(t, npm, npn, GROUP_M)
             om, on = pm * BM, pn * BN
-            acc = tl.zeros((BM, BN), tl.float32)
-            for k in range(0, K, BK):
-                acc = tl.dot(a_desc.load([om, k]), b_desc.load([on, k]).T, acc)
+            acc = base_tile(a_desc, b_desc, om, on, K, BM, BN, BK)
             if LORA == 1:
                 ad = tl.load(TILE_AD + pm)
                 safe = tl.maximum(ad, 0)

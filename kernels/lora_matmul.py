@@ -39,23 +39,33 @@ REFUSED: set[tuple] = set()
 
 if HAVE_TMA:
     @triton.jit
+    def tile_at(t, npm, npn, GROUP_M: tl.constexpr):
+        """Output tile t of npm x npn: its tile row and column, tiles taken GROUP_M tile rows at
+        a time (so that programs running side by side share the weight's tiles in L2)."""
+        per_group = GROUP_M * npn
+        first = (t // per_group) * GROUP_M
+        size = tl.minimum(npm - first, GROUP_M)
+        return first + (t % per_group) % size, (t % per_group) // size
+
+    @triton.jit
+    def base_tile(x_desc, w_desc, om, on, K, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+        """x[om:om + BM] @ W[on:on + BN].T over K inputs, in float32."""
+        acc = tl.zeros((BM, BN), tl.float32)
+        for k in range(0, K, BK):
+            acc = tl.dot(x_desc.load([om, k]), w_desc.load([on, k]).T, acc)
+        return acc
+
+    @triton.jit
     def _fused(x_desc, w_desc, v_desc, l_desc, Y, FIRST, M, N, sy, PROGRAMS: tl.constexpr, K: tl.constexpr,
                BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, R: tl.constexpr, GROUP_M: tl.constexpr):
         """Program p takes output tiles p, p + PROGRAMS, ... (GROUP_M tile rows at a time, so
         neighbours share W's tiles in L2): x @ W.T over K, then v @ lanes[FIRST[tile row]:+R]
         onto the same accumulator, written to Y (row stride sy)."""
-        pid = tl.program_id(0)
         npm, npn = (M + BM - 1) // BM, (N + BN - 1) // BN
-        per_group = GROUP_M * npn
-        for t in tl.range(pid, npm * npn, PROGRAMS, flatten=True):
-            first = (t // per_group) * GROUP_M
-            size = tl.minimum(npm - first, GROUP_M)
-            pm = first + (t % per_group) % size
-            pn = (t % per_group) // size
+        for t in tl.range(tl.program_id(0), npm * npn, PROGRAMS, flatten=True):
+            pm, pn = tile_at(t, npm, npn, GROUP_M)
             om, on = pm * BM, pn * BN
-            acc = tl.zeros((BM, BN), tl.float32)
-            for k in range(0, K, BK):
-                acc = tl.dot(x_desc.load([om, k]), w_desc.load([on, k]).T, acc)
+            acc = base_tile(x_desc, w_desc, om, on, K, BM, BN, BK)
             acc = tl.dot(v_desc.load([om, 0]), l_desc.load([tl.load(FIRST + pm), on]), acc)
             rows = (om + tl.arange(0, BM)).to(tl.int64)
             cols = on + tl.arange(0, BN)
