@@ -483,9 +483,9 @@ def lora_linears(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, outs:
     after; prefill rows with FUSED, where kernels.lora_matmul `fits`, go through the base matmul
     with the deltas in its epilogue; other rows with WRITE_FIRST (the default) have the expands
     write scale * v @ B.T + b into each projection's columns and the base matmul add itself
-    onto them (cuBLAS reads them in its
-    epilogue, so y is read and written once less), else have the deltas added after the
-    matmul; written first, rows in long runs of one adapter go by segments (`_segments`).
+    onto them (cuBLAS reads them in its epilogue, so y is read and written once less), else
+    have the deltas added after the matmul; written first, rows in long runs of one adapter
+    go by segments (`_segments`).
     Which way is faster at a shape changed from one H100 run to the next
     (`benchmarks/lora.py --parts kernel`); the 1000-adapter population ran the same either way."""
     if not (kernels if kernels is not None else _kernels(x)):
