@@ -772,7 +772,6 @@ def test_resident_prefill_through_the_fused_matmul_equals_each_adapters_delta(dt
     for adapters of mixed ranks (one leaving v alone, q's rank past the tile's outputs), a row
     on the base model, stacked q/k/v of unequal widths, and outputs that end inside a tile;
     rows that are not whole tiles, or a bias, take the other ways."""
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     from types import SimpleNamespace
 
     from flexoff.adapters.peft import Adapter, LoraModule
@@ -780,6 +779,8 @@ def test_resident_prefill_through_the_fused_matmul_equals_each_adapters_delta(dt
     from flexoff.kernels import lora as L
     from flexoff.kernels import lora_matmul as M
     from flexoff.offload.adapters import AdapterPool
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     if tile is not None:
         monkeypatch.setattr(M, "TILE", tile)
