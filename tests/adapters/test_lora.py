@@ -29,7 +29,8 @@ POLICIES = [Policy(gpu_batch_size=5),
 ASSIGN = ["a", None, "b", "c", "a"]  # per prompt of PROMPTS
 # kernels on the CPU under Triton's interpreter, in float32 or float64 (the conftest sets it where
 # there is no GPU); on a GPU machine Triton takes no CPU tensors, and the GPU's own checks are in tests/gpu
-INTERPRETED = pytest.mark.skipif(torch.cuda.is_available(), reason="runs the kernels under Triton's CPU interpreter")
+INTERPRETED = pytest.mark.skipif(torch.cuda.is_available(),
+                                 reason="runs the kernels under Triton's CPU interpreter")
 
 
 def peft_greedy(path, adapter: str | None, prompt: list[int], n: int) -> list[int]:
