@@ -93,6 +93,22 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
     return "\n".join(lines)
 
 
+def event_ms(fn: Callable[[], Any], repeat: int = 10, warmup: int = 1) -> float:
+    """Median milliseconds of fn on the current stream, timed by CUDA events, after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeat):
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
 def gpu_seconds(fn: Callable[[], Any], calls: int) -> float:
     """GPU time of one fn() from a CUDA graph of `calls` calls replayed 10 times (no launch overhead)."""
     for _ in range(3):

@@ -16,7 +16,6 @@ only if such a matmul is as fast as cuBLAS's. Prints a table, writes JSON.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -25,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import cuda_missing, environment, table, write_jsonl  # noqa: E402
+from common import cuda_missing, environment, event_ms, table, write_jsonl  # noqa: E402
 
 try:
     import triton
@@ -165,21 +164,6 @@ def run_triton(p: Problem, tiling: tuple, lora: bool, out: torch.Tensor) -> Call
     return call
 
 
-def seconds(fn: Callable[[], Any], reps: int) -> float:
-    """Median GPU time of one fn() over `reps` calls timed by CUDA events (after 3 warm-ups)."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    return statistics.median(times)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default=",".join(SHAPES))
@@ -196,7 +180,7 @@ def main() -> int:
         K, N = SHAPES[name]
         p = Problem(K, N, args.rows, args.per_row, 0, torch.float16)
         out = torch.empty(p.M, N, dtype=torch.float16, device="cuda")
-        base = seconds(lambda: torch.mm(p.x, p.w.t(), out=out), args.reps)
+        base = event_ms(lambda: torch.mm(p.x, p.w.t(), out=out), args.reps, warmup=3) / 1e3
         refs = {lora: p.reference(lora) for lora in (False, True)}
         scale = {lora: float(refs[lora].abs().max()) for lora in (False, True)}
         for tiling in TILINGS:
@@ -206,7 +190,7 @@ def main() -> int:
                     fn()
                     torch.cuda.synchronize()
                     err = float((out.float() - refs[lora]).abs().max()) / scale[lora]
-                    t = seconds(fn, args.reps)
+                    t = event_ms(fn, args.reps, warmup=3) / 1e3
                 except Exception as e:  # a tiling past the shared memory: recorded, not fatal
                     records.append({"shape": name, "tiling": str(tiling), "lora": lora, "error": str(e)[:200]})
                     continue

@@ -15,28 +15,13 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from common import cuda_missing, environment, table, write_jsonl
+from common import cuda_missing, environment, event_ms as ms, table, write_jsonl
 from flexoff.policy.hardware import elementwise_passes, layer_projections
-
-
-def ms(fn: Callable[[], Any], repeat: int = 10) -> float:
-    """Median milliseconds of fn on the current stream, after a warm-up."""
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeat):
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def layer_rows(hidden: int, rows: int) -> list[dict[str, Any]]:
