@@ -211,14 +211,14 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
             pool, p = m.adapter_pool(), m.last_policy
             first = set(sorted(names)[:p.block_size]) if p.lora_cache_blocks > 1 else set()
             before = lambda: only_read(pool, first)  # noqa: E731
-        modes = args.segments.split(",") if args.segments else [L.SEGMENTS + ("+fused" if L.FUSED else "")]
-        library = (L.SEGMENTS, L.FUSED)
+        modes = args.segments.split(",") if args.segments else [None]  # None: the library's own settings
+        segments = L.SEGMENTS
         threads = [int(t) for t in args.read_threads.split(",")] if args.read_threads else [A.READ_THREADS]
         runs, reads = [], {}
         for mode in modes:  # each way of the prefill's segments in turn, in this one engine
             for n in threads:  # and each number of threads reading adapter files
-                # "fused": the library's segments with the fused prefill matmul in front; any other, without it
-                L.SEGMENTS, L.FUSED = (library[0], True) if mode == "fused" else (mode.split("+")[0], "+fused" in mode)
+                if mode is not None:  # "fused": the library's segments with the fused matmul in front
+                    L.SEGMENTS, L.FUSED = (segments, True) if mode == "fused" else (mode, False)
                 A.READ_THREADS = n
                 label = "warm" + (f"-segments-{mode}" if len(modes) > 1 else "") + \
                     (f"-read-threads-{n}" if len(threads) > 1 else "")
@@ -239,7 +239,8 @@ def population(args: argparse.Namespace) -> list[dict[str, Any]]:
                  "deltas": "first" if L.WRITE_FIRST else "after",
                  "decode_tiling": args.decode_tiling, "prefill_tiling": args.prefill_tiling,
                  "side_stream": args.side_stream, "dense": args.dense, "stacked": args.stacked,
-                 "stacked_prefill": args.stacked_prefill, "segments": ",".join(modes),
+                 "stacked_prefill": args.stacked_prefill,
+                 "segments": args.segments or segments + ("+fused" if L.FUSED else ""),
                  "policy": m.last_policy.describe(), "auto": auto, "setup_adapters_s": made, "job_prompts": job,
                  "adapters_from": "files" if args.adapter_dir else "memory",
                  # what the plan counts
