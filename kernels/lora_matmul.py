@@ -17,9 +17,12 @@ Does not know: which rows have which adapter beyond the per-row ids it is handed
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from flexoff.kernels.lora import LoraPack
 
 try:
     import triton
@@ -85,8 +88,8 @@ def _aligned(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and (t.stride(0) * size) % 16 == 0 and t.data_ptr() % 16 == 0
 
 
-def fits(xf: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, outs: Sequence[int], packs: Sequence,
-         per_row: int, host_ids: tuple[int, ...] | None) -> bool:
+def fits(xf: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, outs: Sequence[int],
+         packs: Sequence["LoraPack"], per_row: int, host_ids: tuple[int, ...] | None) -> bool:
     """Whether these projections' prefill can take the fused matmul."""
     if not (HAVE_TMA and _tma_device(xf)) or bias is not None or host_ids is None:
         return False
@@ -99,7 +102,7 @@ def fits(xf: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, outs: Seq
     return all(_aligned(p.dense.B) for p in packs)
 
 
-def first_lanes(p, host_ids: tuple[int, ...], per_row: int, device: torch.device) -> torch.Tensor:
+def first_lanes(p: "LoraPack", host_ids: tuple[int, ...], per_row: int, device: torch.device) -> torch.Tensor:
     """Each tile row's first lane in p's lanes: its row's adapter's (0 for rows on the base
     model or adapters that leave p alone: their v is zeros)."""
     b0, n = p.dense.B.storage_offset(), p.fan_out

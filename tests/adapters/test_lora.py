@@ -668,6 +668,20 @@ def test_training_sweep_lora_gradients_equal_peft_autograd(tiny, tmp_path, polic
         assert len(pairs) >= 6
 
 
+def brute_linears(x, w, b, keys, outs, blk, adapters) -> torch.Tensor:
+    """x @ w.T + b for projections stacked in w (keys, widths outs), plus each row's adapter's
+    scaling * (x @ A.T) @ B.T from its modules (blk: the rows' adapter names, None: the base)."""
+    want = torch.nn.functional.linear(x, w, b)
+    for r, name in enumerate(blk):
+        c0 = 0
+        for key, n in zip(keys, outs):
+            m = adapters[name].modules.get(key) if name else None
+            if m is not None:
+                want[r, :, c0:c0 + n] += m.scaling * (x[r] @ m.A.t()) @ m.B.t()
+            c0 += n
+    return want
+
+
 @INTERPRETED
 @pytest.mark.skipif(not __import__("flexoff.kernels.lora", fromlist=["HAVE_TRITON"]).HAVE_TRITON,
                     reason="triton is not installed")
@@ -751,14 +765,7 @@ def test_resident_pool_computes_deltas_as_each_adapter_would(batched, segments, 
                     b = torch.randn(sum(outs), generator=g, dtype=torch.float64) if per_row < 16 else None
                     prefills += per_row >= 16
                     got = torch.cat(L.lora_linears(x, w, b, outs, ids, packs, host, kernels=True), -1)
-                    want = torch.nn.functional.linear(x, w, b)
-                    for r, name in enumerate(blk):
-                        c0 = 0
-                        for key, n in zip(keys, outs):
-                            m = adapters[name].modules.get(key) if name else None
-                            if m is not None:
-                                want[r, :, c0:c0 + n] += m.scaling * (x[r] @ m.A.t()) @ m.B.t()
-                            c0 += n
+                    want = brute_linears(x, w, b, keys, outs, blk, adapters)
                     assert (got - want).abs().max() <= 1e-10 * want.abs().max(), (blk, keys, per_row)
     assert calls["segments"] == prefills  # every prefill went by segments
     assert calls["grouped"] > 0
@@ -827,14 +834,8 @@ def test_resident_prefill_through_the_fused_matmul_equals_each_adapters_delta(dt
                 got = torch.cat(L.lora_linears(x.to(dev), w.to(dev), None if b is None else b.to(dev), outs, ids,
                                                packs, host, kernels=True), -1).double().cpu()
                 assert len(calls) - before == (len(group) if fused else 0), (per_row, bias, group)
-                want = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
-                for r, name in enumerate(blk):
-                    c0 = 0
-                    for key, n in zip(keys, outs):
-                        m = adapters[name].modules.get(key) if name else None
-                        if m is not None:
-                            want[r, :, c0:c0 + n] += m.scaling * (x[r].double() @ m.A.t()) @ m.B.t()
-                        c0 += n
+                want = brute_linears(x.double(), w.double(), None if b is None else b.double(), keys, outs, blk,
+                                     adapters)
                 tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
                 assert (got - want).abs().max() <= tol * want.abs().max(), (per_row, bias, keys)
     assert calls
